@@ -1,0 +1,376 @@
+"""Import of Hugging Face checkpoints: BERT / DPR encoders, BART, and their tokenizers.
+
+A checkpoint is a directory written by `save_pretrained` (`config.json` plus `model.safetensors`,
+sharded safetensors with an index, or `pytorch_model.bin`), or a hub id when the network allows.
+Loading is strict: every checkpoint tensor must be used and every parameter filled, otherwise the
+error lists the missing and the unexpected names. PyTorch's `Linear.weight` is [out, in]; Flax's
+`Dense.kernel` is [in, out], hence the transposes.
+"""
+
+import json
+import os
+import pathlib
+import re
+
+import jax
+import numpy as np
+
+from rag_jax import bart, bert
+
+# Tensors a checkpoint may carry that are not parameters (non-persistent buffers in newer versions).
+_IGNORED = re.compile(r"(^|\.)(position_ids|token_type_ids)$")
+
+# Per transformer layer: our sub-path -> HF sub-name, for BERT and BART layouts.
+_BERT_LAYER = {
+    "self_attn/query": "attention.self.query",
+    "self_attn/key": "attention.self.key",
+    "self_attn/value": "attention.self.value",
+    "self_attn/out": "attention.output.dense",
+    "self_attn_ln": "attention.output.LayerNorm",
+    "mlp/wi": "intermediate.dense",
+    "mlp/wo": "output.dense",
+    "mlp_ln": "output.LayerNorm",
+}
+_BART_LAYER = {
+    "self_attn/query": "self_attn.q_proj",
+    "self_attn/key": "self_attn.k_proj",
+    "self_attn/value": "self_attn.v_proj",
+    "self_attn/out": "self_attn.out_proj",
+    "self_attn_ln": "self_attn_layer_norm",
+    "cross_attn/query": "encoder_attn.q_proj",
+    "cross_attn/key": "encoder_attn.k_proj",
+    "cross_attn/value": "encoder_attn.v_proj",
+    "cross_attn/out": "encoder_attn.out_proj",
+    "cross_attn_ln": "encoder_attn_layer_norm",
+    "mlp/wi": "fc1",
+    "mlp/wo": "fc2",
+    "mlp_ln": "final_layer_norm",
+}
+_LEAF = {"kernel": "weight", "bias": "bias", "scale": "weight", "embedding": "weight"}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that does not match the architecture it is loaded as."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Files
+
+
+def resolve(path: str | os.PathLike) -> pathlib.Path:
+    """A local checkpoint directory, or the hub snapshot of `path` when it is a hub id."""
+    local = pathlib.Path(path)
+    if local.is_dir():
+        return local
+    if local.exists():
+        raise CheckpointError(f"{local} is a file; expected a checkpoint directory")
+    try:
+        from huggingface_hub import snapshot_download
+
+        return pathlib.Path(snapshot_download(str(path)))
+    except Exception as e:  # Offline, unknown id, ...: say what was tried.
+        raise CheckpointError(
+            f"{path!r} is not a local directory and could not be fetched from the hub ({e})"
+        ) from e
+
+
+def read_config(path: pathlib.Path) -> dict:
+    """The parsed `config.json` of a checkpoint directory."""
+    file = path / "config.json"
+    if not file.is_file():
+        raise CheckpointError(f"no config.json in {path}")
+    try:
+        return json.loads(file.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{file} is not valid JSON: {e}") from e
+
+
+def read_state_dict(path: pathlib.Path) -> dict[str, np.ndarray]:
+    """All tensors of a checkpoint directory as float32/int numpy arrays, by HF name."""
+    single = path / "model.safetensors"
+    index = path / "model.safetensors.index.json"
+    if single.is_file() or index.is_file():
+        from safetensors.numpy import load_file
+
+        files = (
+            [single]
+            if single.is_file()
+            else sorted({path / f for f in json.loads(index.read_text())["weight_map"].values()})
+        )
+        state = {}
+        for f in files:
+            try:
+                state.update(load_file(str(f)))
+            except Exception as e:
+                raise CheckpointError(f"cannot read tensors from {f}: {e}") from e
+        return state
+    binary = path / "pytorch_model.bin"
+    if binary.is_file():
+        import torch
+
+        try:
+            tensors = torch.load(binary, map_location="cpu", weights_only=True)
+        except Exception as e:
+            raise CheckpointError(f"cannot read tensors from {binary}: {e}") from e
+        return {
+            k: v.float().numpy() if v.is_floating_point() else v.numpy() for k, v in tensors.items()
+        }
+    raise CheckpointError(
+        f"no weights in {path}: expected model.safetensors, model.safetensors.index.json or "
+        "pytorch_model.bin"
+    )
+
+
+def _check_type(config: dict, expected: tuple[str, ...], path: pathlib.Path) -> None:
+    found = config.get("model_type")
+    if found not in expected:
+        raise CheckpointError(
+            f"{path / 'config.json'} has model_type {found!r}; expected one of {expected} "
+            f"(architectures: {config.get('architectures')})"
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# Name mapping
+
+
+def _normalise(name: str) -> str:
+    """Old BERT checkpoints name LayerNorm parameters gamma/beta."""
+    return re.sub(
+        r"LayerNorm\.gamma$",
+        "LayerNorm.weight",
+        re.sub(r"LayerNorm\.beta$", "LayerNorm.bias", name),
+    )
+
+
+def _fill(shapes, name_of, state: dict[str, np.ndarray], param_dtype, what: str):
+    """Builds our parameter tree from `state`, given `name_of(our_path) -> hf_name`.
+
+    Consumed names are removed from `state`; returns (params, missing).
+    """
+    missing = []
+
+    def leaf(path, shape):
+        ours = "/".join(p.key for p in path)
+        name = name_of(ours)
+        if name not in state:
+            missing.append(f"{name} (for {what} {ours})")
+            return np.zeros(shape.shape, param_dtype)
+        value = state.pop(name)
+        if ours.endswith("kernel"):
+            value = value.T
+        if ours.endswith("final_logits_bias"):
+            value = value.reshape(-1)
+        if value.shape != shape.shape:
+            raise CheckpointError(
+                f"tensor {name} has shape {value.shape}; {what} parameter {ours} needs "
+                f"{shape.shape}"
+            )
+        return np.asarray(value, dtype=param_dtype)
+
+    params = jax.tree_util.tree_map_with_path(leaf, shapes)
+    return params, missing
+
+
+def _layer_name(ours: str, table: dict[str, str], layer_prefix: str) -> str:
+    """'layer_3/self_attn/query/kernel' -> f'{layer_prefix}3.<hf sub-name>.weight'."""
+    match = re.fullmatch(r"layer_(\d+)/(.+)/(\w+)", ours)
+    if not match or match.group(2) not in table:
+        return f"<unmapped {ours}>"
+    index, sub, leaf = match.groups()
+    return f"{layer_prefix}{index}.{table[sub]}.{_LEAF[leaf]}"
+
+
+def bert_name(ours: str, prefix: str, projection: str = "encode_proj") -> str:
+    """HF name of a BertEncoder parameter, for a BERT whose tensors start with `prefix`."""
+    head, _, leaf = ours.rpartition("/")
+    top = {
+        "word_embeddings": "embeddings.word_embeddings",
+        "position_embeddings": "embeddings.position_embeddings",
+        "token_type_embeddings": "embeddings.token_type_embeddings",
+        "embeddings_ln": "embeddings.LayerNorm",
+        "pooler": "pooler.dense",
+    }
+    if head == "projection":
+        # DPR's projection sits beside the BERT model, not inside it.
+        return f"{prefix.rsplit('bert_model.', 1)[0]}{projection}.{_LEAF[leaf]}"
+    if head in top:
+        return f"{prefix}{top[head]}.{_LEAF[leaf]}"
+    return _layer_name(ours, _BERT_LAYER, f"{prefix}encoder.layer.")
+
+
+def bart_name(ours: str, prefix: str) -> str:
+    """HF name of a Bart parameter, for a BART whose tensors start with `prefix` (e.g. 'model.')."""
+    if ours == "final_logits_bias":
+        return f"{prefix.rsplit('model.', 1)[0]}final_logits_bias"
+    if ours == "shared/embedding":
+        return f"{prefix}shared.weight"
+    stack, _, rest = ours.partition("/")
+    if rest == "positions/embedding":
+        return f"{prefix}{stack}.embed_positions.weight"
+    if rest.startswith("ln_embedding/"):
+        return f"{prefix}{stack}.layernorm_embedding.{_LEAF[rest.rpartition('/')[2]]}"
+    return _layer_name(rest, _BART_LAYER, f"{prefix}{stack}.layers.")
+
+
+def _strict(missing: list[str], unexpected: list[str], path) -> None:
+    if missing or unexpected:
+        lines = [f"checkpoint {path} does not match the model:"]
+        if missing:
+            lines.append(f"  missing ({len(missing)}): " + ", ".join(sorted(missing)))
+        if unexpected:
+            lines.append(f"  unexpected ({len(unexpected)}): " + ", ".join(sorted(unexpected)))
+        raise CheckpointError("\n".join(lines))
+
+
+def _find_prefix(state: dict, suffix: str, path) -> str:
+    hits = sorted(k[: -len(suffix)] for k in state if k.endswith(suffix))
+    if len(hits) != 1:
+        raise CheckpointError(
+            f"expected exactly one tensor ending in {suffix!r} in {path}, found {hits or 'none'}"
+        )
+    return hits[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# BERT / DPR
+
+
+def bert_config_from_hf(config: dict, **overrides) -> bert.BertConfig:
+    """Our BertConfig from an HF BERT or DPR config dict (unknown HF fields are ignored)."""
+    if config.get("position_embedding_type", "absolute") != "absolute":
+        raise CheckpointError(
+            f"position_embedding_type {config['position_embedding_type']!r} is not supported "
+            "(only 'absolute')"
+        )
+    fields = {f for f in bert.BertConfig.__dataclass_fields__}
+    values = {k: v for k, v in config.items() if k in fields}
+    values.update(overrides)
+    return bert.BertConfig(**values)
+
+
+def bert_params_from_state(
+    cfg: bert.BertConfig, state: dict[str, np.ndarray], prefix: str, path="<state dict>"
+):
+    """Maps the BERT tensors under `prefix` onto a BertEncoder tree, consuming them from `state`."""
+    model = bert.BertEncoder(cfg)
+    ids = np.zeros((1, 2), np.int32)
+    shapes = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), ids, ids)["params"])
+    return _fill(shapes, lambda o: bert_name(o, prefix), state, np.dtype(cfg.param_dtype), "BERT")
+
+
+def load_bert(path, *, dtype: str = "float32", param_dtype: str = "float32", remat: bool = False):
+    """Loads a BERT-family encoder (BertModel or a BertFor* head model; the head is refused).
+
+    Returns:
+      (BertConfig, params). `with_pooler` is set when the checkpoint has a pooler.
+    """
+    path = resolve(path)
+    config = read_config(path)
+    _check_type(config, ("bert",), path)
+    state = {_normalise(k): v for k, v in read_state_dict(path).items() if not _IGNORED.search(k)}
+    prefix = _find_prefix(state, "embeddings.word_embeddings.weight", path)
+    with_pooler = f"{prefix}pooler.dense.weight" in state
+    cfg = bert_config_from_hf(
+        config,
+        with_pooler=with_pooler,
+        projection_dim=0,
+        dtype=dtype,
+        param_dtype=param_dtype,
+        remat=remat,
+    )
+    params, missing = bert_params_from_state(cfg, state, prefix, path)
+    _strict(missing, sorted(state), path)
+    return cfg, params
+
+
+def load_dpr(path, *, dtype: str = "float32", param_dtype: str = "float32", remat: bool = False):
+    """Loads a DPR question or context encoder (`DPRQuestionEncoder` / `DPRContextEncoder`).
+
+    Returns:
+      (BertConfig, params); `projection_dim` as in the checkpoint's config.
+    """
+    path = resolve(path)
+    config = read_config(path)
+    _check_type(config, ("dpr",), path)
+    state = {_normalise(k): v for k, v in read_state_dict(path).items() if not _IGNORED.search(k)}
+    prefix = _find_prefix(state, "bert_model.embeddings.word_embeddings.weight", path)
+    prefix += "bert_model."
+    if not re.fullmatch(r"(question_encoder|ctx_encoder)\.bert_model\.", prefix):
+        raise CheckpointError(
+            f"{path} holds a DPR model with tensors under {prefix!r}; expected a question encoder "
+            "('question_encoder.bert_model.') or a context encoder ('ctx_encoder.bert_model.')"
+        )
+    cfg = bert_config_from_hf(
+        config, with_pooler=False, dtype=dtype, param_dtype=param_dtype, remat=remat
+    )
+    params, missing = bert_params_from_state(cfg, state, prefix, path)
+    _strict(missing, sorted(state), path)
+    return cfg, params
+
+
+# ---------------------------------------------------------------------------------------------
+# BART
+
+
+def bart_config_from_hf(config: dict, **overrides) -> bart.BartConfig:
+    """Our BartConfig from an HF BART config dict."""
+    for flag, ok in (("normalize_before", False), ("add_final_layer_norm", False)):
+        if config.get(flag, ok) != ok:
+            raise CheckpointError(f"{flag}={config[flag]} (an mBART variant) is not supported")
+    fields = {f for f in bart.BartConfig.__dataclass_fields__}
+    values = {k: v for k, v in config.items() if k in fields}
+    values.update(overrides)
+    return bart.BartConfig(**values)
+
+
+def bart_params_from_state(cfg: bart.BartConfig, state: dict, prefix: str, path="<state dict>"):
+    """Maps the BART tensors under `prefix` (e.g. 'model.') onto a Bart tree, consuming them.
+
+    Tied copies of the shared embedding (encoder/decoder `embed_tokens`, `lm_head`) are checked
+    to equal it and consumed.
+    """
+    shared = state.get(f"{prefix}shared.weight")
+    head = prefix.rsplit("model.", 1)[0]
+    for tied in (
+        f"{prefix}encoder.embed_tokens.weight",
+        f"{prefix}decoder.embed_tokens.weight",
+        f"{head}lm_head.weight",
+    ):
+        if tied in state:
+            value = state.pop(tied)
+            if shared is None:
+                state[f"{prefix}shared.weight"] = shared = value
+            elif not np.array_equal(value, shared):
+                raise CheckpointError(
+                    f"{tied} in {path} differs from {prefix}shared.weight; untied embeddings are "
+                    "not supported"
+                )
+    # The bias is a buffer that older checkpoints may omit; the reference then uses zeros.
+    state.setdefault(f"{head}final_logits_bias", np.zeros((1, cfg.vocab_size), np.float32))
+    shapes = bart.param_shapes(cfg)
+    return _fill(shapes, lambda o: bart_name(o, prefix), state, np.dtype(cfg.param_dtype), "BART")
+
+
+def load_bart(path, *, dtype: str = "float32", param_dtype: str = "float32", remat: bool = False):
+    """Loads BART (`BartForConditionalGeneration` or `BartModel`).
+
+    Returns:
+      (BartConfig, params).
+    """
+    path = resolve(path)
+    config = read_config(path)
+    _check_type(config, ("bart",), path)
+    state = {k: v for k, v in read_state_dict(path).items() if not _IGNORED.search(k)}
+    prefix = _find_prefix(state, "encoder.layernorm_embedding.weight", path)
+    cfg = bart_config_from_hf(config, dtype=dtype, param_dtype=param_dtype, remat=remat)
+    params, missing = bart_params_from_state(cfg, state, prefix, path)
+    _strict(missing, sorted(state), path)
+    return cfg, params
+
+
+def load_tokenizer(path):
+    """The tokenizer saved beside a checkpoint (`transformers.AutoTokenizer`)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(resolve(path)))
