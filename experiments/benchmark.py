@@ -20,7 +20,9 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--suites", default="models", help=f"comma-separated, from {SUITES}")
     parser.add_argument("--out", default="bench_results", help="folder for <suite>.json")
-    parser.add_argument("--threads", type=int, default=2, help="torch CPU threads (match the cores XLA uses)")
+    parser.add_argument(
+        "--threads", type=int, default=2, help="torch CPU threads (match the cores XLA uses)"
+    )
     parser.add_argument("--quick", action="store_true", help="smaller sizes, for a smoke run")
     args = parser.parse_args(argv)
 

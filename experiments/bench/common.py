@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable
 
 
-def time_fn(fn: Callable[[], object], *, warmup: int = 1, repeats: int = 5) -> dict:
+def time_fn(fn: Callable[[], object], *, warmup: int = 3, repeats: int = 5) -> dict:
     """Runs `fn` `warmup` times untimed, then `repeats` times; returns seconds.
 
     `fn` must block until its result is ready (call `jax.block_until_ready` inside).
