@@ -1,0 +1,427 @@
+"""RAG math: doc scores, RAG-Sequence / RAG-Token likelihoods and decoding scores.
+
+Pure functions, arrays in and arrays out, jittable (the keyword arguments are Python values: bind
+them with `functools.partial` or mark them static). The semantics are those of HF transformers'
+`RagSequenceForGeneration` and `RagTokenForGeneration`, so a converted checkpoint gives the same
+losses and the same rescored generations.
+
+Legend: B batch, N docs per question, T target length, V vocab, D embedding width, K beams,
+M candidate answers per question, L candidate length. Rows of every `flat_` array `[B * N, ...]`
+are ordered `b * N + n`, as HF lays out `context_input_ids`.
+
+What the loss is computed against
+---------------------------------
+The `target` passed to the NLL functions is the sequence the generator's decoder *read*: HF sets
+`decoder_input_ids` to `labels` when only labels are given and shifts nothing right, so the labels
+are the decoder inputs, first token included (HF's fine-tuning script passes the tokenised answer
+`<s> ... </s>` as is; generated candidates begin with BART's decoder start token `</s>`, then
+`<s>`). When both are given and differ, HF's RAG-Sequence scores `decoder_input_ids` and RAG-Token
+scores `labels`. The logits at position t predict token t + 1, so the functions shift the target
+one step left and append a pad:
+`[y0, y1, ..., y_{T-1}]` becomes `[y1, ..., y_{T-1}, pad]`. Every position whose shifted target
+equals `pad_token_id` contributes nothing (neither to the likelihood nor to the smoothing term);
+the last decoder position is therefore never scored. Target ids must lie in `[0, V)`: pad is the
+only ignored id (there is no `-100` convention here, and HF would fail on one).
+
+RAG-Sequence (`rag_sequence_nll`)
+---------------------------------
+`p(y|x) = sum_z p(z|x) prod_t p(y_t|x, z, y_<t)` with `p(z|x) = softmax(doc_scores)`. The log
+prior `log p(z|x)` is added to the token log-probabilities of *shifted* position 1 only (the
+second predicted token), whether or not the target has a BOS token. Consequences worth knowing:
+when that position is a pad the prior is masked away with it, and when T = 1 it is never added,
+so the result is then `-logsumexp` of the unweighted per-doc likelihoods.
+
+BOS handling is batch-wide: only if *every* row's shifted position 0 (the caller's `labels[:, 1]`)
+equals `bos_token_id` is the target considered to start with BOS. Then, and only if
+`exclude_bos_score`, the log-probability of that BOS token is left out of the likelihood (HF's
+thorough decoding rescores candidates this way). One row without BOS disables this for the whole
+batch. The smoothing term always includes position 0.
+
+RAG-Token (`rag_token_nll`)
+---------------------------
+`p(y|x) = prod_t sum_z p(z|x) p(y_t|x, z, y_<t)`: per position, the token distributions of the N
+docs are mixed with the prior (`rag_token_marginalize`, also the next-token distribution used in
+RAG-Token decoding), and the loss is the NLL of the mixture summed over positions. There is no BOS
+handling and no `exclude_bos_score` for this variant.
+
+Label smoothing
+---------------
+Both variants compute `loss = (1 - epsilon) * nll + (epsilon / V) * smooth`, with a smoothing term
+that is not the usual mean cross-entropy against the uniform distribution:
+
+- RAG-Token: `smooth = -sum_t sum_v log p_mix(v | t)` over unpadded positions.
+- RAG-Sequence: per doc, `s_z = sum_t sum_v log p(v | x, z, t)` over unpadded positions, where the
+  log-probabilities at position 1 include the prior, so `s_z` carries `V * log p(z|x)`; then
+  `smooth = -logsumexp_z s_z`. The docs are marginalised on the summed smoothing scores just as on
+  the likelihoods.
+
+With `reduce=True` both terms are summed over the batch (not averaged) before being combined.
+"""
+
+import jax
+import jax.numpy as jnp
+
+
+def doc_scores(question_emb: jax.Array, doc_emb: jax.Array) -> jax.Array:
+    """Inner products between each question and its retrieved docs.
+
+    The doc vectors are cast to the question's dtype first, as HF does, so the scores come out in
+    the question encoder's dtype. The product runs at full precision: the TPU default rounds
+    float32 operands to bfloat16, and the softmax over docs turns score errors into relative
+    errors of the doc weights of the same size.
+
+    Args:
+      question_emb: [B, D] question encoder outputs.
+      doc_emb: [B, N, D] stored vectors of the retrieved docs.
+
+    Returns:
+      [B, N] scores `question_emb[b] . doc_emb[b, n]`, dtype of `question_emb`.
+    """
+    if (
+        question_emb.ndim != 2
+        or doc_emb.ndim != 3
+        or (doc_emb.shape[0], doc_emb.shape[2]) != question_emb.shape
+    ):
+        raise ValueError(
+            f"doc_emb {tuple(doc_emb.shape)} must be [B, N, D] for question_emb "
+            f"{tuple(question_emb.shape)} [B, D]"
+        )
+    doc_emb = doc_emb.astype(question_emb.dtype)
+    return jnp.einsum("bd,bnd->bn", question_emb, doc_emb, precision=jax.lax.Precision.HIGHEST)
+
+
+def _check_logits_and_scores(seq_logits: jax.Array, doc_scores: jax.Array, n_docs: int) -> None:
+    """Checks that seq_logits is [B * N, T, V] for doc_scores [B, N] with N = n_docs."""
+    if doc_scores.ndim != 2 or doc_scores.shape[1] != n_docs:
+        raise ValueError(f"doc_scores {tuple(doc_scores.shape)} must be [B, N] with N = {n_docs}")
+    if seq_logits.ndim != 3 or seq_logits.shape[0] != doc_scores.shape[0] * n_docs:
+        raise ValueError(
+            f"seq_logits {tuple(seq_logits.shape)} must be [B * N, T, V]: its batch is "
+            f"inconsistent with doc_scores {tuple(doc_scores.shape)} [B, N]"
+        )
+
+
+def _check_nll_inputs(
+    seq_logits: jax.Array, doc_scores: jax.Array, target: jax.Array, n_docs: int
+) -> tuple[int, int, int, int]:
+    """Validates the shapes shared by the NLL functions; returns (B, N, T, V)."""
+    _check_logits_and_scores(seq_logits, doc_scores, n_docs)
+    batch = doc_scores.shape[0]
+    _, length, vocab = seq_logits.shape
+    if target.shape != (batch, length):
+        raise ValueError(
+            f"target {tuple(target.shape)} must be [B, T] = {(batch, length)} for seq_logits "
+            f"{tuple(seq_logits.shape)} and doc_scores {tuple(doc_scores.shape)}"
+        )
+    if not jnp.issubdtype(target.dtype, jnp.integer):
+        raise ValueError(f"target must hold integer token ids, got dtype {target.dtype}")
+    return batch, n_docs, length, vocab
+
+
+def _shift_left(target: jax.Array, pad_token_id: int) -> jax.Array:
+    """[B, T] decoder inputs -> [B, T] tokens they predict (the last one is a pad)."""
+    pad = jnp.full((target.shape[0], 1), pad_token_id, target.dtype)
+    return jnp.concatenate([target[:, 1:], pad], axis=1)
+
+
+def _sequence_doc_terms(
+    seq_logits: jax.Array,
+    doc_scores: jax.Array,
+    target: jax.Array,
+    skip_first: jax.Array,
+    pad_token_id: int,
+) -> tuple[jax.Array, jax.Array]:
+    """Per-doc RAG-Sequence log-likelihood and smoothing sums.
+
+    Args:
+      seq_logits: [B * N, T, V] generator logits.
+      doc_scores: [B, N].
+      target: [B, T] shifted-left targets.
+      skip_first: [B] bool, whether position 0 is left out of the likelihood of each row.
+      pad_token_id: positions whose target is this id are masked.
+
+    Returns:
+      ll: [B, N] `log p(z|x) + sum_t log p(y_t|x, z, y_<t)` over scored positions (the prior
+        only when position 1 is one of them).
+      smooth: [B, N] sum over unpadded positions and the vocab of the prior-shifted log-probs.
+    """
+    batch, n_docs = doc_scores.shape
+    _, length, vocab = seq_logits.shape
+    seq_logprobs = jax.nn.log_softmax(seq_logits, axis=-1)
+    seq_logprobs = seq_logprobs.reshape(batch, n_docs, length, vocab)  # -> [B, N, T, V]
+    doc_logprobs = jax.nn.log_softmax(doc_scores, axis=1)  # [B, N]
+
+    # The prior enters at position 1 only. `where` rather than a multiplication by a one-hot keeps
+    # a doc scored -inf (masked out) from turning the other positions into NaN.
+    at_prior = (jnp.arange(length) == 1)[None, None, :]  # [1, 1, T]
+    prior = jnp.where(at_prior, doc_logprobs[:, :, None], 0.0)  # -> [B, N, T]
+
+    token_ll = jnp.take_along_axis(
+        seq_logprobs, jnp.broadcast_to(target[:, None, :, None], (batch, n_docs, length, 1)), -1
+    )[..., 0]  # -> [B, N, T]
+    token_ll = token_ll + prior
+    # Summing the prior-shifted log-probs over the vocab adds V times the prior; adding it once,
+    # scaled, avoids materialising a second [B, N, T, V] array.
+    token_smooth = seq_logprobs.sum(axis=-1) + vocab * prior  # [B, N, T]
+
+    not_pad = (target != pad_token_id)[:, None, :]  # [B, 1, T]
+    scored = not_pad & ~(skip_first[:, None, None] & (jnp.arange(length) == 0))  # [B, 1, T]
+    ll = jnp.where(scored, token_ll, 0.0).sum(axis=2)
+    smooth = jnp.where(not_pad, token_smooth, 0.0).sum(axis=2)
+    return ll, smooth
+
+
+def _combine(
+    nll: jax.Array, smooth: jax.Array, epsilon: float, vocab: int, reduce: bool
+) -> jax.Array:
+    """HF's label-smoothed loss from the [B] NLL and smoothing terms."""
+    if reduce:
+        nll, smooth = nll.sum(), smooth.sum()
+    return (1.0 - epsilon) * nll + (epsilon / vocab) * smooth
+
+
+def rag_sequence_nll(
+    seq_logits: jax.Array,
+    doc_scores: jax.Array,
+    target: jax.Array,
+    *,
+    pad_token_id: int,
+    bos_token_id: int | None,
+    n_docs: int,
+    epsilon: float = 0.0,
+    exclude_bos_score: bool = False,
+    reduce: bool = False,
+) -> jax.Array:
+    """RAG-Sequence negative log-likelihood (HF `RagSequenceForGeneration.get_nll`).
+
+    Args:
+      seq_logits: [B * N, T, V] generator logits (unnormalised; log-softmaxed here), row `b * N + n`
+        conditioned on doc n of question b.
+      doc_scores: [B, N] retrieval scores (unnormalised; softmaxed over N here).
+      target: [B, T] int, the decoder input ids the logits were computed from; shifted left here.
+      pad_token_id: generator pad id; positions predicting it are masked.
+      bos_token_id: generator BOS id, or None when the generator has none (T5).
+      n_docs: N.
+      epsilon: label smoothing weight.
+      exclude_bos_score: leave the BOS token's log-probability out of the likelihood, when every
+        row's first predicted token is BOS.
+      reduce: sum the loss over the batch.
+
+    Returns:
+      [B] per-question loss, or a scalar sum when `reduce`.
+    """
+    batch, _, _, vocab = _check_nll_inputs(seq_logits, doc_scores, target, n_docs)
+    target = _shift_left(target, pad_token_id)
+    if exclude_bos_score and bos_token_id is not None:
+        # Batch-wide: a single row not starting with BOS disables the exclusion for every row.
+        use_bos = jnp.all(target[:, 0] == bos_token_id)
+    else:
+        use_bos = jnp.zeros((), bool)
+    skip_first = jnp.broadcast_to(use_bos, (batch,))
+    ll, smooth = _sequence_doc_terms(seq_logits, doc_scores, target, skip_first, pad_token_id)
+    nll = -jax.nn.logsumexp(ll, axis=1)  # [B]
+    smooth = -jax.nn.logsumexp(smooth, axis=1)
+    return _combine(nll, smooth, epsilon, vocab, reduce)
+
+
+def rag_token_marginalize(seq_logits: jax.Array, doc_scores: jax.Array, n_docs: int) -> jax.Array:
+    """Per-position mixture of the docs' token distributions (HF RAG-Token `marginalize`).
+
+    Args:
+      seq_logits: [B * N, T, V] generator logits (unnormalised), row `b * N + n`.
+      doc_scores: [B, N] retrieval scores (unnormalised).
+      n_docs: N.
+
+    Returns:
+      [B, T, V] `log sum_z p(z|x) p(v|x, z, t)`, normalised over V.
+    """
+    _check_logits_and_scores(seq_logits, doc_scores, n_docs)
+    batch = doc_scores.shape[0]
+    _, length, vocab = seq_logits.shape
+    seq_logprobs = jax.nn.log_softmax(seq_logits, axis=-1)
+    seq_logprobs = seq_logprobs.reshape(batch, n_docs, length, vocab)  # -> [B, N, T, V]
+    doc_logprobs = jax.nn.log_softmax(doc_scores, axis=1)  # [B, N]
+    return jax.nn.logsumexp(seq_logprobs + doc_logprobs[:, :, None, None], axis=1)
+
+
+def rag_token_nll(
+    seq_logits: jax.Array,
+    doc_scores: jax.Array,
+    target: jax.Array,
+    *,
+    pad_token_id: int,
+    n_docs: int,
+    epsilon: float = 0.0,
+    reduce: bool = False,
+) -> jax.Array:
+    """RAG-Token negative log-likelihood (HF `RagTokenForGeneration.get_nll`).
+
+    Args:
+      seq_logits: [B * N, T, V] generator logits (unnormalised), row `b * N + n`.
+      doc_scores: [B, N] retrieval scores (unnormalised).
+      target: [B, T] int, the decoder input ids the logits were computed from; shifted left here.
+      pad_token_id: generator pad id; positions predicting it are masked.
+      n_docs: N.
+      epsilon: label smoothing weight.
+      reduce: sum the loss over the batch.
+
+    Returns:
+      [B] per-question loss, or a scalar sum when `reduce`.
+    """
+    _, _, _, vocab = _check_nll_inputs(seq_logits, doc_scores, target, n_docs)
+    target = _shift_left(target, pad_token_id)
+    rag_logprobs = rag_token_marginalize(seq_logits, doc_scores, n_docs)  # [B, T, V]
+    token_ll = jnp.take_along_axis(rag_logprobs, target[:, :, None], axis=-1)[..., 0]  # -> [B, T]
+    not_pad = target != pad_token_id
+    nll = -jnp.where(not_pad, token_ll, 0.0).sum(axis=1)  # [B]
+    smooth = -jnp.where(not_pad, rag_logprobs.sum(axis=-1), 0.0).sum(axis=1)
+    return _combine(nll, smooth, epsilon, vocab, reduce)
+
+
+def rag_sequence_thorough_nll(
+    flat_seq_logits: jax.Array,
+    doc_scores: jax.Array,
+    candidates: jax.Array,
+    *,
+    pad_token_id: int,
+    bos_token_id: int | None,
+    n_docs: int,
+    epsilon: float = 0.0,
+) -> jax.Array:
+    """Losses by which RAG-Sequence thorough decoding ranks candidates, for a batch of questions.
+
+    HF rescores the candidates of one question at a time with `exclude_bos_score=True`; BOS
+    detection is thus per question (over its M candidates), which this function reproduces for
+    all questions at once. Trailing pads beyond a question's own longest candidate change nothing.
+
+    Args:
+      flat_seq_logits: [B * M * N, T, V] generator logits of candidate c read against doc n of
+        question b in row `(b * M + c) * N + n`.
+      doc_scores: [B, N] retrieval scores of each question's docs (shared by its candidates).
+      candidates: [B, M, T] int candidate token ids, as the generator produced them (decoder start
+        token first), padded with `pad_token_id`.
+      pad_token_id: generator pad id.
+      bos_token_id: generator BOS id, or None.
+      n_docs: N.
+      epsilon: label smoothing weight (HF applies the model's configured label smoothing here too).
+
+    Returns:
+      [B, M] loss of each candidate; lower ranks first.
+    """
+    if candidates.ndim != 3 or candidates.shape[0] != doc_scores.shape[0]:
+        raise ValueError(
+            f"candidates {tuple(candidates.shape)} must be [B, M, T] for doc_scores "
+            f"{tuple(doc_scores.shape)} [B, N]"
+        )
+    batch, num_candidates, length = candidates.shape
+    flat_doc_scores = jnp.repeat(doc_scores, num_candidates, axis=0)  # -> [B * M, N]
+    flat_target = candidates.reshape(batch * num_candidates, length)  # -> [B * M, T]
+    _, _, _, vocab = _check_nll_inputs(flat_seq_logits, flat_doc_scores, flat_target, n_docs)
+    flat_target = _shift_left(flat_target, pad_token_id)
+    if bos_token_id is not None:
+        starts_bos = flat_target[:, 0].reshape(batch, num_candidates) == bos_token_id
+        use_bos = jnp.all(starts_bos, axis=1)  # [B]
+    else:
+        use_bos = jnp.zeros((batch,), bool)
+    skip_first = jnp.repeat(use_bos, num_candidates)  # -> [B * M]
+    ll, smooth = _sequence_doc_terms(
+        flat_seq_logits, flat_doc_scores, flat_target, skip_first, pad_token_id
+    )
+    nll = -jax.nn.logsumexp(ll, axis=1)  # [B * M]
+    smooth = -jax.nn.logsumexp(smooth, axis=1)
+    return _combine(nll, smooth, epsilon, vocab, reduce=False).reshape(batch, num_candidates)
+
+
+def rag_sequence_fast_scores(
+    beam_tokens: jax.Array, beam_logprobs: jax.Array, doc_scores: jax.Array
+) -> jax.Array:
+    """RAG-Sequence "fast decoding" scores (Lewis et al. 2020, section 2.4; not in HF).
+
+    Every beam hypothesis of every doc is a candidate. Its score is
+    `log sum_z p(z|x) p(y|x, z)`, where `p(y|x, z)` is taken from the beams of doc z when y is
+    among them and approximated by 0 otherwise, so no further forward pass is needed.
+
+    Args:
+      beam_tokens: [B, N, K, L] int hypotheses of the beam search run against each doc, padded
+        identically after their end (two hypotheses are the same answer iff their rows are equal).
+      beam_logprobs: [B, N, K] `log p(y|x, z)` of each hypothesis: the summed token
+        log-probabilities, without length normalisation.
+      doc_scores: [B, N] retrieval scores (unnormalised).
+
+    Returns:
+      [B, N * K] score of the candidate `beam_tokens[b, n, k]` at index `n * K + k`; duplicates
+      score the same (pass the result to `select_top_candidates` to drop them).
+    """
+    if beam_tokens.ndim != 4 or beam_tokens.shape[:3] != beam_logprobs.shape:
+        raise ValueError(
+            f"beam_tokens {tuple(beam_tokens.shape)} must be [B, N, K, L] for beam_logprobs "
+            f"{tuple(beam_logprobs.shape)} [B, N, K]"
+        )
+    if doc_scores.shape != beam_logprobs.shape[:2]:
+        raise ValueError(
+            f"doc_scores {tuple(doc_scores.shape)} must be [B, N] for beam_logprobs "
+            f"{tuple(beam_logprobs.shape)} [B, N, K]"
+        )
+    batch, n_docs, num_beams, length = beam_tokens.shape
+    candidates = beam_tokens.reshape(batch, n_docs * num_beams, length)  # -> [B, M, L]
+    # found[b, c, z, k]: candidate c is hypothesis k of doc z.
+    found = jnp.all(candidates[:, :, None, None, :] == beam_tokens[:, None], axis=-1)
+    # A hypothesis found twice among one doc's beams has one probability under that doc: max, not
+    # sum, over the matches.
+    cand_doc_ll = jnp.max(
+        jnp.where(found, beam_logprobs[:, None], -jnp.inf), axis=-1
+    )  # -> [B, M, N]
+    doc_logprobs = jax.nn.log_softmax(doc_scores, axis=1)  # [B, N]
+    return jax.nn.logsumexp(cand_doc_ll + doc_logprobs[:, None, :], axis=-1)
+
+
+def first_occurrence_mask(candidates: jax.Array) -> jax.Array:
+    """Marks each question's candidates that equal no earlier candidate (HF's deduplication).
+
+    Args:
+      candidates: [B, M, L] int token ids, padded identically after their end.
+
+    Returns:
+      [B, M] bool, True for the first occurrence of each distinct row.
+    """
+    if candidates.ndim != 3:
+        raise ValueError(f"candidates {tuple(candidates.shape)} must be [B, M, L]")
+    num_candidates = candidates.shape[1]
+    same = jnp.all(candidates[:, :, None, :] == candidates[:, None, :, :], axis=-1)  # [B, M, M]
+    earlier = jnp.tril(jnp.ones((num_candidates, num_candidates), bool), k=-1)  # [c, c'] c' < c
+    return ~jnp.any(same & earlier, axis=-1)
+
+
+def select_top_candidates(
+    candidates: jax.Array, scores: jax.Array, num_return: int, *, deduplicate: bool = True
+) -> tuple[jax.Array, jax.Array]:
+    """Best `num_return` candidates of each question (HF RAG-Sequence `generate`'s final step).
+
+    HF drops repeated candidates before ranking (`do_deduplication`, on by default) and keeps the
+    first occurrence; here repeats score -inf instead, so shapes stay static. Ties go to the lower
+    index. When fewer than `num_return` distinct candidates exist, repeats fill the remaining
+    slots with score -inf (HF raises instead).
+
+    Args:
+      candidates: [B, M, L] int token ids.
+      scores: [B, M] higher is better: `-rag_sequence_thorough_nll(...)` or
+        `rag_sequence_fast_scores(...)`.
+      num_return: R, answers returned per question.
+      deduplicate: drop repeated candidates before ranking.
+
+    Returns:
+      tokens: [B, R, L] the selected candidates, best first.
+      top_scores: [B, R] their scores.
+    """
+    if candidates.ndim != 3 or candidates.shape[:2] != scores.shape:
+        raise ValueError(
+            f"candidates {tuple(candidates.shape)} must be [B, M, L] for scores "
+            f"{tuple(scores.shape)} [B, M]"
+        )
+    if not 1 <= num_return <= candidates.shape[1]:
+        raise ValueError(f"num_return={num_return} must be in [1, M={candidates.shape[1]}]")
+    if deduplicate:
+        scores = jnp.where(first_occurrence_mask(candidates), scores, -jnp.inf)
+    top_scores, index = jax.lax.top_k(scores, num_return)  # -> [B, R]
+    tokens = jnp.take_along_axis(candidates, index[:, :, None], axis=1)  # -> [B, R, L]
+    return tokens, top_scores
