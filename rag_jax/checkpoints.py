@@ -1,0 +1,359 @@
+"""Checkpoints: an orbax `CheckpointManager` wrapper with restore-or-init and preemption handling.
+
+Layout under a workdir (one directory per saved step, written by orbax)::
+
+    <workdir>/checkpoints/<step>/state/    the training state pytree ({params, opt_state, step})
+    <workdir>/checkpoints/<step>/config/   the run's config as JSON
+
+Guarantees the trainer relies on:
+
+- Atomic steps. On a POSIX filesystem orbax writes a step into `<step>.orbax-checkpoint-tmp-*`
+  and renames it to `<step>` only once every file is written (on GCS it writes a
+  `commit_success.txt` last instead). Listing and restoring only ever see finished steps; a
+  leftover temporary directory from a crash is ignored and deleted when the next `Checkpointer`
+  opens the directory.
+- Keep-N. After each save only the newest `max_to_keep` steps remain.
+- Async. `save` returns once the arrays are copied off the devices (so the next step may donate
+  or overwrite them); writing continues in the background. `wait()` blocks until it is on disk.
+- Resume. `restore_or_init` restores the newest readable step into the shardings of the
+  abstract state (so multi-device arrays come back sharded), falls back to older steps with a
+  warning when the newest cannot be read, and calls `init_fn` when there is none.
+- Preemption. `install_preemption_handler()` turns SIGTERM into a flag the loop polls with
+  `should_stop(step)`; on multi-host runs `should_stop` instead asks JAX's preemption service
+  whether all hosts reached the agreed step, so every host saves the same step.
+
+The training loop looks like::
+
+    install_preemption_handler()
+    ckpt = Checkpointer(workdir, max_to_keep=3, save_interval_steps=1000)
+    state, start = ckpt.restore_or_init(init_fn, abstract_state)
+    step = start or 0
+    while step < num_steps:
+        if should_stop(step):
+            ckpt.save(step, state, config, force=True)
+            break
+        state = train_step(state, batch(step))
+        step += 1
+        ckpt.save(step, state, config)  # Saves only every save_interval_steps.
+    ckpt.close()  # Waits for the last write.
+"""
+
+import json
+import signal
+import threading
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import orbax.checkpoint as ocp
+from absl import logging
+from etils import epath
+from jax.experimental import multihost_utils
+
+CHECKPOINT_SUBDIR = "checkpoints"
+_STATE = "state"
+_CONFIG = "config"
+
+
+def checkpoint_dir(workdir: epath.PathLike) -> epath.Path:
+    """Where `Checkpointer(workdir)` keeps its step directories (absolute, as orbax requires)."""
+    path = epath.Path(workdir)
+    return (path if path.is_absolute() else path.absolute()) / CHECKPOINT_SUBDIR
+
+
+def config_to_dict(config: Any) -> dict[str, Any]:
+    """A JSON-ready dict of a ConfigDict or a nested mapping.
+
+    Values JSON cannot hold become strings, as `ConfigDict.to_json_best_effort` makes them.
+    """
+    if isinstance(config, Mapping) and not isinstance(config, ml_collections.ConfigDict):
+        config = ml_collections.ConfigDict(dict(config))
+    if not isinstance(config, ml_collections.ConfigDict):
+        raise TypeError(f"config must be a ConfigDict or a mapping; got {type(config).__name__}")
+    return json.loads(config.to_json_best_effort())
+
+
+def _abstract(tree: Any) -> Any:
+    """`jax.ShapeDtypeStruct`s with shardings for every leaf of `tree`.
+
+    Leaves that carry a sharding (arrays, structs from `jax.eval_shape` of a function jitted with
+    `out_shardings`) keep it; the others get the first local device, where JAX would place a
+    freshly created array.
+    """
+    default = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+
+    def to_struct(leaf):
+        sharding = getattr(leaf, "sharding", None) or default
+        if isinstance(leaf, jax.ShapeDtypeStruct):
+            return jax.ShapeDtypeStruct(
+                leaf.shape, leaf.dtype, sharding=sharding, weak_type=leaf.weak_type
+            )
+        leaf = leaf if hasattr(leaf, "dtype") else jnp.asarray(leaf)
+        return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding)
+
+    return jax.tree.map(to_struct, tree)
+
+
+def _first_line(error: BaseException, limit: int = 300) -> str:
+    text = str(error).strip().splitlines()
+    text = text[0] if text else ""
+    return f"{type(error).__name__}: {text[:limit]}"
+
+
+class Checkpointer:
+    """Saves and restores a training-state pytree plus the run config under a workdir.
+
+    Args:
+      workdir: the run's directory; checkpoints go to `<workdir>/checkpoints`.
+      max_to_keep: how many of the newest steps to keep (None keeps all).
+      save_interval_steps: `save(step, ...)` writes only when `step` is a multiple of this, when
+        the directory holds no step yet, with `force=True`, or at a multi-host preemption sync
+        point.
+      async_save: write in a background thread (`wait()` to block until written).
+      read_only: open without creating, cleaning up or deleting anything (for inspection).
+    """
+
+    def __init__(
+        self,
+        workdir: epath.PathLike,
+        *,
+        max_to_keep: int | None = 3,
+        save_interval_steps: int = 1,
+        async_save: bool = True,
+        read_only: bool = False,
+    ):
+        if max_to_keep is not None and max_to_keep < 1:
+            raise ValueError(f"max_to_keep must be >= 1 or None; got {max_to_keep}")
+        if save_interval_steps < 1:
+            raise ValueError(f"save_interval_steps must be >= 1; got {save_interval_steps}")
+        self.directory = checkpoint_dir(workdir)
+        if read_only:
+            if not self.directory.exists():
+                raise FileNotFoundError(f"no checkpoint directory at {self.directory}")
+            options = ocp.CheckpointManagerOptions(
+                read_only=True, save_interval_steps=0, create=False
+            )
+        else:
+            options = ocp.CheckpointManagerOptions(
+                save_interval_steps=save_interval_steps,
+                preservation_policy=ocp.checkpoint_managers.LatestN(n=max_to_keep),
+                enable_async_checkpointing=async_save,
+                # A crash mid-save leaves a `<step>.orbax-checkpoint-tmp-*` directory as big as a
+                # checkpoint; it is never read, so remove it rather than let crashes pile up.
+                cleanup_tmp_directories=True,
+                create=True,
+            )
+        self._manager = ocp.CheckpointManager(
+            self.directory, item_names=(_STATE, _CONFIG), options=options
+        )
+
+    def all_steps(self) -> list[int]:
+        """Finished steps on disk, ascending."""
+        return sorted(self._manager.all_steps())
+
+    def latest_step(self) -> int | None:
+        """The newest finished step, or None when there is none."""
+        return self._manager.latest_step()
+
+    def save(self, step: int, state: Any, config: Any = None, *, force: bool = False) -> bool:
+        """Saves `state` (and `config` as JSON) as `step` when the save interval says so.
+
+        Args:
+          step: the training step the state is at (number of updates applied).
+          state: pytree of arrays, e.g. a `TrainState` with params, opt_state and step.
+          config: optional ConfigDict or mapping, stored as JSON beside the state.
+          force: save regardless of `save_interval_steps` (final or preemption saves).
+
+        Returns:
+          Whether a save was started. A step that is already on disk is not written again
+          (e.g. a preemption right after resuming from it).
+        """
+        if step in self._manager.all_steps():
+            logging.info(
+                "Checkpoint step %d already exists in %s; not saving.", step, self.directory
+            )
+            return False
+        items = {_STATE: ocp.args.StandardSave(state)}
+        if config is not None:
+            items[_CONFIG] = ocp.args.JsonSave(config_to_dict(config))
+        saved = self._manager.save(step, args=ocp.args.Composite(**items), force=force)
+        if saved:
+            logging.info("Saving checkpoint step %d to %s.", step, self.directory)
+        return saved
+
+    def wait(self) -> None:
+        """Blocks until every started save is on disk; raises if a background write failed."""
+        self._manager.wait_until_finished()
+
+    def restore(self, step: int, abstract_state: Any) -> Any:
+        """Restores `step` into the structure, dtypes and shardings of `abstract_state`.
+
+        Args:
+          step: a step in `all_steps()`.
+          abstract_state: pytree of `jax.ShapeDtypeStruct`s (e.g. `jax.eval_shape(init_fn)`) or
+            of arrays; a leaf's sharding, where it has one, is where the restored array goes.
+
+        Returns:
+          The state, a pytree of `jax.Array`s with the structure of `abstract_state`.
+        """
+        restored = self._manager.restore(
+            step,
+            args=ocp.args.Composite(
+                **{_STATE: ocp.args.StandardRestore(_abstract(abstract_state))}
+            ),
+        )
+        return restored[_STATE]
+
+    def restore_latest(self, abstract_state: Any) -> tuple[Any, int] | None:
+        """Restores the newest readable step, falling back to older ones.
+
+        Every process of a multi-host run must call this. The fallback assumes that all of them
+        see the same files (a shared filesystem or bucket), so that they agree on the step.
+
+        Returns:
+          `(state, step)`, or None when the directory holds no finished step.
+
+        Raises:
+          RuntimeError: naming the directory and each step's error when no step can be read.
+        """
+        self._manager.reload()  # Another process (a previous run) may have written steps.
+        steps = self.all_steps()
+        errors = []
+        for step in reversed(steps):
+            try:
+                return self.restore(step, abstract_state), step
+            except Exception as e:  # Any failure to read means "try an older step".
+                errors.append(f"step {step}: {_first_line(e)}")
+                logging.warning(
+                    "Checkpoint step %d in %s is unreadable (%s); trying the previous step.",
+                    step,
+                    self.directory,
+                    _first_line(e),
+                )
+        if steps:
+            raise RuntimeError(
+                f"no readable checkpoint in {self.directory} (steps {steps}); errors:\n  "
+                + "\n  ".join(errors)
+            )
+        return None
+
+    def restore_or_init(
+        self, init_fn: Callable[[], Any], abstract_state: Any = None
+    ) -> tuple[Any, int | None]:
+        """Resumes from the newest readable checkpoint, or starts fresh with `init_fn()`.
+
+        Args:
+          init_fn: builds the initial state; called only when there is no checkpoint.
+          abstract_state: the target structure and shardings; defaults to
+            `jax.eval_shape(init_fn)` (jit `init_fn` with `out_shardings` to get sharded arrays).
+
+        Returns:
+          `(state, step)` where `step` is the restored step, or None after `init_fn()`.
+        """
+        self._manager.reload()
+        if not self._manager.all_steps():
+            logging.info("No checkpoint in %s; initialising a new state.", self.directory)
+            return init_fn(), None
+        if abstract_state is None:
+            abstract_state = jax.eval_shape(init_fn)  # Traces init_fn; computes nothing.
+        state, step = self.restore_latest(abstract_state)
+        logging.info("Resumed from checkpoint step %d in %s.", step, self.directory)
+        return state, step
+
+    def load_config(self, step: int | None = None) -> ml_collections.ConfigDict:
+        """The config saved with `step` (default: the newest step).
+
+        Raises:
+          FileNotFoundError: naming the directory when there is no step or the step has no config.
+        """
+        step = self.latest_step() if step is None else step
+        if step is None:
+            raise FileNotFoundError(f"no checkpoint in {self.directory}")
+        config_path = epath.Path(self._manager.directory) / str(step) / _CONFIG
+        if not config_path.exists():
+            raise FileNotFoundError(f"checkpoint step {step} has no config at {config_path}")
+        restored = self._manager.restore(
+            step, args=ocp.args.Composite(**{_CONFIG: ocp.args.JsonRestore()})
+        )
+        return ml_collections.ConfigDict(restored[_CONFIG])
+
+    def close(self) -> None:
+        """Waits for pending saves and releases the manager's threads."""
+        self._manager.close()
+
+    def __enter__(self) -> "Checkpointer":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+
+def restore_or_init(
+    workdir: epath.PathLike, init_fn: Callable[[], Any], abstract_state: Any = None
+) -> tuple[Any, int | None]:
+    """`Checkpointer(workdir).restore_or_init(init_fn, abstract_state)`, closing it after."""
+    with Checkpointer(workdir) as checkpointer:
+        return checkpointer.restore_or_init(init_fn, abstract_state)
+
+
+def load_config(workdir: epath.PathLike, step: int | None = None) -> ml_collections.ConfigDict:
+    """The config saved with `step` (default: the newest) of the run in `workdir`."""
+    with Checkpointer(workdir, read_only=True) as checkpointer:
+        return checkpointer.load_config(step)
+
+
+# Set from a signal handler, read by the training loop; an Event is safe across threads.
+_STOP_REQUESTED = threading.Event()
+
+
+def install_preemption_handler(signals: tuple[int, ...] = (signal.SIGTERM,)) -> bool:
+    """Makes SIGTERM (a TPU VM's preemption notice) set the flag `should_stop` reports.
+
+    Call from the main thread, after `sharding.maybe_initialize_distributed()`. On a
+    multi-process run nothing is installed: JAX's preemption service already listens for SIGTERM
+    and coordinates the stop step across hosts (see `should_stop`), and a Python handler would
+    replace its listener.
+
+    Returns:
+      Whether a handler was installed.
+    """
+    if jax.distributed.is_initialized():
+        logging.info("Multi-process run: preemption is coordinated by JAX's preemption service.")
+        return False
+
+    def handler(signum, frame):
+        del frame
+        # Only set a flag: saving from inside a signal handler could interleave with a step.
+        _STOP_REQUESTED.set()
+        logging.warning("Received %s; stopping at the next step.", signal.Signals(signum).name)
+
+    for sig in signals:
+        signal.signal(sig, handler)
+    return True
+
+
+def should_stop(step: int | None = None) -> bool:
+    """Whether the loop should save at `step` and exit (a preemption notice arrived).
+
+    On one process this reports the flag set by `install_preemption_handler`. On a multi-process
+    run it also asks `multihost_utils.reached_preemption_sync_point(step)`: when any host is
+    notified, all hosts agree on a step to stop at and this returns True on every host at that
+    same step. JAX requires that every host call it at every step, starting from the same step.
+
+    Args:
+      step: the current training step; needed on multi-process runs, ignored otherwise.
+    """
+    if _STOP_REQUESTED.is_set():
+        return True
+    if step is None or not jax.distributed.is_initialized():
+        return False
+    try:
+        return multihost_utils.reached_preemption_sync_point(step)
+    except RuntimeError as e:
+        # Raised only when the preemption service is disabled (`jax_enable_preemption_service`).
+        logging.log_first_n(
+            logging.WARNING, "Preemption sync unavailable (%s); relying on SIGTERM only.", 1, e
+        )
+        return False
