@@ -374,3 +374,117 @@ def load_tokenizer(path):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(resolve(path)))
+
+
+# ---------------------------------------------------------------------------------------------
+# RAG
+
+_GENERATION_FIELDS = (
+    "num_beams",
+    "max_length",
+    "min_length",
+    "length_penalty",
+    "early_stopping",
+    "no_repeat_ngram_size",
+    "forced_bos_token_id",
+    "forced_eos_token_id",
+    "bad_words_ids",
+    "num_return_sequences",
+)
+
+
+def rag_config_from_hf(config: dict, generation: dict | None = None, **overrides):
+    """Our RagConfig from an HF RAG config dict (+ its `generation_config.json`, if any).
+
+    Generation defaults come from `generation_config.json`, then the RAG config's own keys, then
+    the generator's, then `rag.GenerationConfig`'s defaults.
+    """
+    from rag_jax import rag
+
+    question = config.get("question_encoder")
+    generator = config.get("generator")
+    if not isinstance(question, dict) or not isinstance(generator, dict):
+        raise CheckpointError("RAG config needs 'question_encoder' and 'generator' sub-configs")
+    if question.get("model_type", "dpr") not in ("dpr", "bert"):
+        raise CheckpointError(
+            f"question encoder model_type {question.get('model_type')!r} is not supported "
+            "(expected 'dpr' or 'bert')"
+        )
+    if generator.get("model_type", "bart") != "bart":
+        raise CheckpointError(
+            f"generator model_type {generator.get('model_type')!r} is not supported (expected "
+            "'bart')"
+        )
+    gen_overrides = {
+        k: overrides.pop(k) for k in ("dtype", "param_dtype", "remat") if k in overrides
+    }
+    q_cfg = bert_config_from_hf(question, with_pooler=False, **gen_overrides)
+    g_cfg = bart_config_from_hf(generator, **gen_overrides)
+    sources = [generation or {}, config, generator]
+    gen_values = {}
+    for field in _GENERATION_FIELDS:
+        for source in sources:
+            if source.get(field) is not None:
+                gen_values[field] = source[field]
+                break
+    if "bad_words_ids" in gen_values:
+        gen_values["bad_words_ids"] = tuple(tuple(w) for w in gen_values["bad_words_ids"])
+    fields = {
+        k: config[k]
+        for k in (
+            "n_docs",
+            "max_combined_length",
+            "title_sep",
+            "doc_sep",
+            "prefix",
+            "label_smoothing",
+            "exclude_bos_score",
+            "reduce_loss",
+            "do_deduplication",
+        )
+        if k in config
+    }
+    # HF reads `config.bos_token_id or config.generator.bos_token_id` (a 0 falls through).
+    bos = config.get("bos_token_id") or g_cfg.bos_token_id
+    return rag.RagConfig(
+        question_encoder=q_cfg,
+        generator=g_cfg,
+        bos_token_id=bos,
+        generation=rag.GenerationConfig(**gen_values),
+        **fields,
+        **overrides,
+    )
+
+
+def load_rag(path, *, dtype: str = "float32", param_dtype: str = "float32", remat: bool = False):
+    """Loads an HF RAG checkpoint (`RagSequenceForGeneration`, `RagTokenForGeneration`, `RagModel`).
+
+    Returns:
+      (RagConfig, params) with params {"question_encoder": ..., "generator": ...}.
+    """
+    path = resolve(path)
+    config = read_config(path)
+    _check_type(config, ("rag",), path)
+    generation_file = path / "generation_config.json"
+    generation = json.loads(generation_file.read_text()) if generation_file.is_file() else None
+    cfg = rag_config_from_hf(config, generation, dtype=dtype, param_dtype=param_dtype, remat=remat)
+    state = {_normalise(k): v for k, v in read_state_dict(path).items() if not _IGNORED.search(k)}
+    q_prefix = _find_prefix(state, "bert_model.embeddings.word_embeddings.weight", path)
+    q_params, q_missing = bert_params_from_state(
+        cfg.question_encoder, state, q_prefix + "bert_model.", path
+    )
+    g_prefix = _find_prefix(state, "encoder.layernorm_embedding.weight", path)
+    g_params, g_missing = bart_params_from_state(cfg.generator, state, g_prefix, path)
+    _strict(q_missing + g_missing, sorted(state), path)
+    return cfg, {"question_encoder": q_params, "generator": g_params}
+
+
+def load_rag_tokenizers(path):
+    """(question-encoder tokenizer, generator tokenizer) saved by HF's `RagTokenizer`."""
+    path = resolve(path)
+    tokenizers = []
+    for sub in ("question_encoder_tokenizer", "generator_tokenizer"):
+        if not (path / sub).is_dir():
+            raise CheckpointError(f"no {sub}/ in {path} (saved by RagTokenizer.save_pretrained)")
+        tokenizers.append(load_tokenizer(path / sub))
+    return tuple(tokenizers)

@@ -1,0 +1,306 @@
+"""rag_jax.rag against transformers' RagSequenceForGeneration / RagTokenForGeneration.
+
+Both HF models are built locally from tiny random DPR + BART configs (weights std 0.3), saved with
+`save_pretrained` and loaded with `hf.load_rag`, so the checkpoint conversion is under test too.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+
+import hf_fixtures
+from rag_jax import hf, rag
+
+B, N, S, T, Q = 2, 3, 9, 6, 5
+# Settings passed identically to HF generate and to rag.generate (BART-large style forcing).
+GEN = dict(
+    max_length=9,
+    min_length=3,
+    length_penalty=0.8,
+    early_stopping=False,
+    no_repeat_ngram_size=2,
+    forced_bos_token_id=0,
+    forced_eos_token_id=2,
+)
+HF_IDS = dict(decoder_start_token_id=2, eos_token_id=2, pad_token_id=1, bos_token_id=0)
+
+
+def save_rag(path, variant, seed=0, **rag_kwargs):
+    question = transformers.DPRConfig(**hf_fixtures.bert_config(projection_dim=8).to_dict())
+    generator = hf_fixtures.bart_config(forced_bos_token_id=0)
+    config = transformers.RagConfig.from_question_encoder_generator_configs(
+        question, generator, n_docs=N, **rag_kwargs
+    )
+    cls = {
+        "sequence": transformers.RagSequenceForGeneration,
+        "token": transformers.RagTokenForGeneration,
+    }[variant]
+    model = hf_fixtures.randomize_(cls(config), seed)
+    model.save_pretrained(path)
+    return model
+
+
+@pytest.fixture(scope="module", params=["sequence", "token"])
+def models(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(f"rag_{request.param}")
+    torch_model = save_rag(path, request.param, seed=11)
+    cfg, params = hf.load_rag(path)
+    return request.param, torch_model, cfg, params
+
+
+def inputs(cfg, seed=0, bos=True, pad_labels=True):
+    rng = np.random.default_rng(seed)
+    vocab = cfg.generator.vocab_size
+    ctx, ctx_mask = hf_fixtures.padded_batch(
+        rng, rng.integers(3, S + 1, B * N).tolist(), vocab, pad=1
+    )
+    ctx, ctx_mask = ctx[:, :S], ctx_mask[:, :S]
+    q_ids, q_mask = hf_fixtures.padded_batch(rng, [Q, 3], cfg.question_encoder.vocab_size)
+    doc_vectors = rng.normal(size=(B, N, cfg.question_encoder.embedding_dim)).astype(np.float32)
+    labels = rng.integers(3, vocab, size=(B, T))
+    labels[:, 0] = 2  # decoder start
+    if bos:
+        labels[:, 1] = 0
+    if pad_labels:
+        labels[1, T - 2 :] = 1
+    doc_scores = rng.normal(size=(B, N)).astype(np.float32) * 2
+    return dict(
+        context_input_ids=ctx,
+        context_attention_mask=ctx_mask,
+        question_input_ids=q_ids,
+        question_attention_mask=q_mask,
+        doc_vectors=doc_vectors,
+        doc_scores=doc_scores,
+        labels=labels,
+    )
+
+
+def torch_nll(model, x, reduce, exclude_bos, epsilon):
+    model.config.label_smoothing = epsilon
+    kwargs = dict(
+        context_input_ids=torch.tensor(x["context_input_ids"]),
+        context_attention_mask=torch.tensor(x["context_attention_mask"]),
+        doc_scores=torch.tensor(x["doc_scores"]),
+        labels=torch.tensor(x["labels"]),
+        reduce_loss=reduce,
+    )
+    if isinstance(model, transformers.RagSequenceForGeneration):
+        kwargs["exclude_bos_score"] = exclude_bos
+    with torch.no_grad():
+        return model(**kwargs).loss.numpy()
+
+
+@pytest.mark.parametrize("epsilon", [0.0, 0.1])
+@pytest.mark.parametrize("reduce", [False, True])
+@pytest.mark.parametrize("exclude_bos", [False, True])
+def test_nll_matches_hf(models, epsilon, reduce, exclude_bos):
+    variant, torch_model, cfg, params = models
+    if variant == "token" and exclude_bos:
+        pytest.skip(reason="exclude_bos_score is a RAG-Sequence option only")
+    x = inputs(cfg, seed=1)
+    ref = torch_nll(torch_model, x, reduce, exclude_bos, epsilon)
+    ours = rag.nll(
+        cfg.replace(label_smoothing=epsilon),
+        params,
+        x["context_input_ids"],
+        x["context_attention_mask"],
+        x["doc_scores"],
+        x["labels"],
+        variant,
+        reduce=reduce,
+        exclude_bos_score=exclude_bos if variant == "sequence" else None,
+    )
+    assert ours.shape == (() if reduce else (B,))
+    np.testing.assert_allclose(ours, ref, rtol=1e-4, atol=1e-4)
+    assert np.all(np.abs(ref) > 0.1)
+
+
+def test_loss_without_bos_matches_hf(models):
+    variant, torch_model, cfg, params = models
+    x = inputs(cfg, seed=2, bos=False, pad_labels=False)
+    ref = torch_nll(torch_model, x, False, True, 0.0)
+    ours = rag.nll(
+        cfg,
+        params,
+        x["context_input_ids"],
+        x["context_attention_mask"],
+        x["doc_scores"],
+        x["labels"],
+        variant,
+        exclude_bos_score=True if variant == "sequence" else None,
+    )
+    np.testing.assert_allclose(ours, ref, rtol=1e-4, atol=1e-4)
+
+
+def _torch_grads(torch_model, x):
+    torch_model.zero_grad(set_to_none=True)
+    torch_model.config.label_smoothing = 0.0
+    q = torch_model.rag.question_encoder(
+        torch.tensor(x["question_input_ids"]),
+        attention_mask=torch.tensor(x["question_attention_mask"]),
+    )[0]
+    scores = torch.bmm(q.unsqueeze(1), torch.tensor(x["doc_vectors"]).transpose(1, 2)).squeeze(1)
+    out = torch_model(
+        context_input_ids=torch.tensor(x["context_input_ids"]),
+        context_attention_mask=torch.tensor(x["context_attention_mask"]),
+        doc_scores=scores,
+        labels=torch.tensor(x["labels"]),
+        reduce_loss=False,
+    )
+    out.loss.mean().backward()
+    return {n: p.grad.numpy() for n, p in torch_model.named_parameters() if p.grad is not None}
+
+
+def test_gradients_match_torch_autograd(models):
+    variant, torch_model, cfg, params = models
+    x = inputs(cfg, seed=3)
+    ref = _torch_grads(torch_model, x)  # eval mode: autograd without dropout
+    batch = {k: jnp.asarray(v) for k, v in x.items() if k != "doc_scores"}
+    loss_fn = functools.partial(rag.loss_fn, cfg, variant=variant)
+    grads = jax.jit(jax.grad(lambda p: loss_fn(p, batch)[0]))(params)
+
+    q_prefix = "rag.question_encoder.question_encoder.bert_model."
+    names = {
+        "question_encoder": lambda o: hf.bert_name(o, q_prefix),
+        "generator": lambda o: hf.bart_name(o, "rag.generator.model."),
+    }
+    checked = 0
+    for half, name_of in names.items():
+        flat = jax.tree_util.tree_leaves_with_path(grads[half])
+        for path, g in flat:
+            ours_name = "/".join(p.key for p in path)
+            name = name_of(ours_name)
+            if name == "rag.generator.final_logits_bias":
+                continue  # a buffer in torch, never trained
+            expected = ref[name]
+            g = np.asarray(g)
+            if ours_name.endswith("kernel"):
+                g = g.T
+            scale = np.abs(expected).max()
+            np.testing.assert_allclose(g, expected, atol=1e-4 * scale + 1e-7, rtol=0, err_msg=name)
+            checked += 1
+    assert checked > 40
+    q_grad = max(float(jnp.abs(g).max()) for g in jax.tree.leaves(grads["question_encoder"]))
+    assert q_grad > 1e-4  # the answer loss reaches the retriever
+
+
+@pytest.mark.parametrize("num_beams", [1, 4])
+def test_rag_token_generation_matches_hf(tmp_path, num_beams):
+    torch_model = save_rag(tmp_path, "token", seed=5)
+    cfg, params = hf.load_rag(tmp_path)
+    x = inputs(cfg, seed=4)
+    with torch.no_grad():
+        ref = torch_model.generate(
+            context_input_ids=torch.tensor(x["context_input_ids"]),
+            context_attention_mask=torch.tensor(x["context_attention_mask"]),
+            doc_scores=torch.tensor(x["doc_scores"]),
+            num_beams=num_beams,
+            **GEN,
+            **HF_IDS,
+        ).numpy()
+    ours = jax.jit(
+        functools.partial(rag.generate, cfg, variant="token", num_beams=num_beams, **GEN)
+    )(params, x["context_input_ids"], x["context_attention_mask"], x["doc_scores"])
+    _assert_same_tokens(ours, ref, pad=1)
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_rag_sequence_thorough_generation_matches_hf(tmp_path, masked):
+    torch_model = save_rag(tmp_path, "sequence", seed=6)
+    cfg, params = hf.load_rag(tmp_path)
+    x = inputs(cfg, seed=5)
+    if masked:
+        # HF generates candidates without the context mask; with unpadded contexts the two agree.
+        x["context_attention_mask"] = np.ones_like(x["context_attention_mask"])
+        x["context_input_ids"] = np.where(x["context_input_ids"] == 1, 7, x["context_input_ids"])
+    with torch.no_grad():
+        ref = torch_model.generate(
+            context_input_ids=torch.tensor(x["context_input_ids"]),
+            context_attention_mask=torch.tensor(x["context_attention_mask"]),
+            doc_scores=torch.tensor(x["doc_scores"]),
+            num_beams=4,
+            do_deduplication=True,
+            **GEN,
+            **HF_IDS,
+        ).numpy()
+    ours = jax.jit(
+        functools.partial(
+            rag.generate,
+            cfg,
+            variant="sequence",
+            num_beams=4,
+            mask_candidate_contexts=masked,
+            **GEN,
+        )
+    )(params, x["context_input_ids"], x["context_attention_mask"], x["doc_scores"])
+    _assert_same_tokens(ours, ref, pad=1)
+
+
+def _assert_same_tokens(ours, ref, pad):
+    ours = np.asarray(ours)
+    assert ours.shape[0] == ref.shape[0]
+    width = max(ours.shape[1], ref.shape[1])
+    pad_to = lambda a: np.pad(a, ((0, 0), (0, width - a.shape[1])), constant_values=pad)  # noqa: E731
+    np.testing.assert_array_equal(pad_to(ours), pad_to(ref))
+
+
+def test_fast_decoding_returns_beam_hypotheses(models):
+    variant, _, cfg, params = models
+    if variant != "sequence":
+        pytest.skip(reason="fast decoding is a RAG-Sequence mode")
+    x = inputs(cfg, seed=6)
+    args = (x["context_input_ids"], x["context_attention_mask"], x["doc_scores"])
+    generate = jax.jit(
+        rag.generate,
+        static_argnums=0,
+        static_argnames=("variant", "sequence_decoding", "num_beams", "num_return_sequences", *GEN),
+    )
+    fast = generate(cfg, params, *args, variant="sequence", sequence_decoding="fast", **GEN)
+    per_doc = generate(
+        cfg, params, *args, variant="sequence", num_return_sequences=4, num_beams=4, **GEN
+    )
+    assert fast.shape == (B, GEN["max_length"])
+    # Every fast answer is one of the thorough candidates (a beam hypothesis of some doc).
+    for b in range(B):
+        assert any(np.array_equal(fast[b], c) for c in np.asarray(per_doc[b]))
+
+
+def test_bad_shapes_name_both(models):
+    variant, _, cfg, params = models
+    x = inputs(cfg)
+    with pytest.raises(ValueError, match=r"context_input_ids \(6, \d+\).*doc_scores \(2, 2\)"):
+        rag.nll(
+            cfg.replace(n_docs=2),
+            params,
+            x["context_input_ids"],
+            x["context_attention_mask"],
+            x["doc_scores"][:, :2],
+            x["labels"],
+            variant,
+        )
+    long = np.full((B, cfg.generator.max_position_embeddings + 1), 5)
+    with pytest.raises(ValueError, match=r"labels \(2, 25\).*max_position_embeddings=24"):
+        rag.nll(
+            cfg,
+            params,
+            x["context_input_ids"],
+            x["context_attention_mask"],
+            x["doc_scores"],
+            long,
+            variant,
+        )
+    with pytest.raises(ValueError, match="variant"):
+        rag.nll(
+            cfg,
+            params,
+            x["context_input_ids"],
+            x["context_attention_mask"],
+            x["doc_scores"],
+            x["labels"],
+            "thorough",
+        )
