@@ -246,3 +246,17 @@ def vocabulary(world: World) -> list[str]:
     for _, _, _, values in RELATIONS.values():
         words.update(values)
     return sorted(words)
+
+
+# Special tokens laid out as BART's (<s>=0, <pad>=1, </s>=2), so one word-level tokenizer serves
+# both retriever towers and the generator: [CLS] is BOS, [SEP] is EOS and the decoder start token.
+SPECIAL_TOKENS = ("[CLS]", "[PAD]", "[SEP]", "[UNK]", "[MASK]")
+
+
+def tokenizer(world: World):
+    """A word-level `BertTokenizer` covering the world's text exactly (no [UNK] in its corpus)."""
+    from transformers import BertTokenizer
+
+    words = [w for w in vocabulary(world) if w not in SPECIAL_TOKENS]
+    vocab = {token: i for i, token in enumerate((*SPECIAL_TOKENS, *words))}
+    return BertTokenizer(vocab=vocab, do_lower_case=True, tokenize_chinese_chars=False)

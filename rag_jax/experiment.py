@@ -1,0 +1,244 @@
+"""Everything a run needs, built from its config: QA data, tokenizers, models, corpus, index.
+
+`build(config, workdir)` returns an `Experiment`; the trainer and the scripts in `experiments/` use
+it so that every entry point sees the same data and the same models for the same config.
+
+Model sources (`config.model.init`):
+- "random": both towers and the generator from `config.model.question_encoder` /
+  `config.model.generator` sizes (the synthetic world's default);
+- "pretrained": question encoder from `question_encoder_path` (BERT or DPR checkpoint), passage
+  encoder from `passage_encoder_path` (default: the same checkpoint), generator from
+  `generator_path` or random with `config.model.generator` sizes;
+- "hf_rag": a full HF RAG checkpoint at `rag_path` (its question encoder also encodes passages
+  unless `passage_encoder_path` is given).
+"""
+
+import dataclasses
+import pathlib
+from typing import Any
+
+import jax
+import ml_collections
+import numpy as np
+
+from rag_jax import bart, bert, data, encode, hf, rag, synthetic
+from rag_jax.corpus import Passage, read_passages
+from rag_jax.index import ExactIndex, ScannIndex
+from rag_jax.passage_store import PassageStore
+from rag_jax.retriever import Retriever
+
+
+@dataclasses.dataclass
+class Experiment:
+    """A run's data, tokenizers, models and retrieval."""
+
+    config: ml_collections.ConfigDict
+    rag_cfg: rag.RagConfig
+    passage_cfg: bert.BertConfig
+    params: dict  # {"question_encoder", "generator", "passage_encoder"}
+    question_tokenizer: Any
+    generator_tokenizer: Any
+    train: list[data.Example]
+    eval: list[data.Example]
+    store: PassageStore
+    retriever: Retriever
+    world: synthetic.World | None = None
+
+
+def _examples_from_world(world: synthetic.World, split: str) -> list[data.Example]:
+    return [
+        data.Example(q["question"], tuple(q["answers"]), q["id"], tuple(q["gold_ids"]))
+        for q in world.questions(split)
+    ]
+
+
+def _load_data(config, workdir: pathlib.Path):
+    """(train examples, eval examples, passages, world or None)."""
+    d = config.data
+    if d.source == "synthetic":
+        world = synthetic.make_world(
+            synthetic.WorldConfig(
+                seed=config.seed,
+                num_entities=d.num_entities,
+                distractors_per_fact=d.distractors_per_fact,
+                eval_fraction=d.eval_fraction,
+            )
+        )
+        passages = [Passage(p.id, p.title, p.text) for p in world.passages]
+        return (
+            _examples_from_world(world, "train"),
+            _examples_from_world(world, "eval"),
+            passages,
+            world,
+        )
+    fields = dict(d.get("fields", None) or {}) or None
+    if d.source == "files":
+        train = data.read_examples(d.train_path, fields)
+        evals = data.read_examples(d.eval_path, fields)
+    elif d.source == "tfds":
+        train = data.read_tfds(d.tfds_name, d.train_split, d.get("tfds_data_dir", None))
+        evals = data.read_tfds(d.tfds_name, d.eval_split, d.get("tfds_data_dir", None))
+    else:
+        raise ValueError(f"config.data.source must be synthetic, files or tfds, got {d.source!r}")
+    if d.get("max_train", 0):
+        train = train[: d.max_train]
+    if d.get("max_eval", 0):
+        evals = evals[: d.max_eval]
+    return train, evals, read_passages(d.corpus_path), None
+
+
+def _tokenizers(config, world):
+    m = config.model
+    if world is not None and m.init == "random":
+        tok = synthetic.tokenizer(world)
+        return tok, tok
+    if m.init == "hf_rag":
+        return hf.load_rag_tokenizers(m.rag_path)
+    question = hf.load_tokenizer(m.question_encoder_path)
+    generator = hf.load_tokenizer(m.generator_path) if m.get("generator_path") else question
+    return question, generator
+
+
+def _generator_ids(tokenizer) -> dict:
+    """BART special ids from a tokenizer: BOS = [CLS]/<s>, EOS = [SEP]/</s> = decoder start."""
+    bos = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.cls_token_id
+    eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else tokenizer.sep_token_id
+    return dict(
+        bos_token_id=bos,
+        eos_token_id=eos,
+        decoder_start_token_id=eos,
+        pad_token_id=tokenizer.pad_token_id,
+        forced_bos_token_id=bos,
+        forced_eos_token_id=eos,
+    )
+
+
+def _models(config, q_tok, g_tok, rng):
+    """(RagConfig, passage BertConfig, params)."""
+    m, r = config.model, config.rag
+    dtype = dict(dtype=m.dtype, remat=m.remat)
+    rag_fields = dict(
+        n_docs=r.n_docs,
+        max_combined_length=r.max_combined_length,
+        label_smoothing=r.label_smoothing,
+        exclude_bos_score=r.exclude_bos_score,
+    )
+    q_rng, p_rng, g_rng = jax.random.split(rng, 3)
+    if m.init == "hf_rag":
+        cfg, params = hf.load_rag(m.rag_path, **dtype)
+        cfg = cfg.replace(**rag_fields)
+    else:
+        if m.init == "pretrained":
+            q_cfg, q_params = _load_encoder(m.question_encoder_path, dtype)
+        elif m.init == "random":
+            q_cfg = bert.BertConfig(vocab_size=len(q_tok), **dict(m.question_encoder), **dtype)
+            q_params = _init_bert(q_cfg, q_rng)
+        else:
+            raise ValueError(f"config.model.init must be random, pretrained or hf_rag: {m.init!r}")
+        if m.get("generator_path"):
+            g_cfg, g_params = hf.load_bart(m.generator_path, **dtype)
+        else:
+            g_cfg = bart.BartConfig(
+                vocab_size=len(g_tok), **dict(m.generator), **_generator_ids(g_tok), **dtype
+            )
+            g_params = bart.Bart(g_cfg).init(g_rng, *(np.zeros((1, 2), np.int32),) * 3)["params"]
+        gen_ids = _generator_ids(g_tok)
+        cfg = rag.RagConfig(
+            question_encoder=q_cfg,
+            generator=g_cfg,
+            bos_token_id=gen_ids["bos_token_id"],
+            generation=rag.GenerationConfig(
+                num_beams=config.eval.num_beams,
+                max_length=config.eval.max_length,
+                forced_bos_token_id=gen_ids["forced_bos_token_id"],
+                forced_eos_token_id=gen_ids["forced_eos_token_id"],
+            ),
+            **rag_fields,
+        )
+        params = {"question_encoder": q_params, "generator": g_params}
+    if m.get("passage_encoder_path"):
+        p_cfg, p_params = _load_encoder(m.passage_encoder_path, dtype)
+    elif m.init == "random" and not m.get("shared_towers", True):
+        p_cfg, p_params = cfg.question_encoder, _init_bert(cfg.question_encoder, p_rng)
+    else:
+        # Both towers start from the same weights (DPR initialises both from one BERT).
+        p_cfg, p_params = cfg.question_encoder, jax.tree.map(np.array, params["question_encoder"])
+    params = dict(params, passage_encoder=p_params)
+    return cfg, p_cfg, params
+
+
+def _load_encoder(path, dtype):
+    config = hf.read_config(hf.resolve(path))
+    loader = hf.load_dpr if config.get("model_type") == "dpr" else hf.load_bert
+    return loader(path, **dtype)
+
+
+def _init_bert(cfg: bert.BertConfig, rng) -> dict:
+    ids = np.zeros((1, 2), np.int32)
+    return bert.BertEncoder(cfg).init(rng, ids, ids)["params"]
+
+
+def build_store(passages, tokenizer, directory: pathlib.Path, rag_cfg: rag.RagConfig):
+    """Opens the passage store in `directory`, or builds it there from `passages`."""
+    if (directory / "manifest.json").is_file():
+        return PassageStore.open(directory)
+    return PassageStore.build(
+        passages,
+        tokenizer,
+        directory,
+        prefix=rag_cfg.prefix or "",
+        title_sep=rag_cfg.title_sep,
+        doc_sep=rag_cfg.doc_sep,
+    )
+
+
+def encode_store(store, passage_cfg, passage_params, tokenizer, config) -> np.ndarray:
+    """[C, D] float32 vectors of every passage in the store."""
+    return encode.encode_passages(
+        passage_cfg,
+        passage_params,
+        tokenizer,
+        [store.title(i) for i in range(len(store))],
+        [store.text(i) for i in range(len(store))],
+        max_length=config.retrieval.passage_max_length,
+        input_format=config.retrieval.passage_format,
+        batch_size=config.retrieval.encode_batch_size,
+        dtype="float32",
+    )
+
+
+def make_index(vectors: np.ndarray, kind: str):
+    if kind == "exact":
+        return ExactIndex(vectors)
+    if kind == "scann":
+        return ScannIndex.build(vectors)
+    raise ValueError(f"config.retrieval.index must be 'exact' or 'scann', got {kind!r}")
+
+
+def build(config: ml_collections.ConfigDict, workdir) -> Experiment:
+    """Builds the experiment described by `config`, caching the passage store in `workdir`."""
+    workdir = pathlib.Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    train, evals, passages, world = _load_data(config, workdir)
+    if not train or not evals:
+        raise ValueError(f"empty split: {len(train)} train and {len(evals)} eval examples")
+    q_tok, g_tok = _tokenizers(config, world)
+    model_rng = jax.random.fold_in(jax.random.PRNGKey(config.seed), 0)
+    rag_cfg, p_cfg, params = _models(config, q_tok, g_tok, model_rng)
+    store = build_store(passages, g_tok, workdir / "passages", rag_cfg)
+    if rag_cfg.n_docs > len(store):
+        raise ValueError(
+            f"config.rag.n_docs={rag_cfg.n_docs} exceeds the corpus size {len(store)}; use at "
+            f"most {len(store)}"
+        )
+    vectors = encode_store(store, p_cfg, params["passage_encoder"], q_tok, config)
+    retriever = Retriever(
+        make_index(vectors, config.retrieval.index),
+        store,
+        vectors,
+        n_docs=rag_cfg.n_docs,
+        max_combined_length=rag_cfg.max_combined_length,
+    )
+    return Experiment(
+        config, rag_cfg, p_cfg, params, q_tok, g_tok, train, evals, store, retriever, world
+    )
