@@ -71,21 +71,27 @@ def path_labels(params, pattern: str, matched: str, other: str):
 
 
 def make_optimizer(tc: ml_collections.ConfigDict, params) -> optax.GradientTransformation:
-    """AdamW with warmup + decay and clipping; frozen parameters get exactly zero updates.
+    """AdamW (or SGD with momentum) with warmup + decay and clipping; frozen parameters get
+    exactly zero updates.
 
     Freezing is a regex over parameter paths mapped to `optax.set_to_zero` (never a zero learning
     rate, which AdamW's weight decay would still move).
     """
     no_decay = path_labels(params, tc.no_decay, "no", "yes")
-    adamw = optax.adamw(
-        schedule(tc),
-        b1=tc.adam_b1,
-        b2=tc.adam_b2,
-        eps=tc.adam_eps,
-        weight_decay=tc.weight_decay,
-        mask=jax.tree.map(lambda x: x == "yes", no_decay),
-    )
-    tx = optax.chain(optax.clip_by_global_norm(tc.grad_clip), adamw) if tc.grad_clip else adamw
+    if tc.optimizer == "adamw":
+        base = optax.adamw(
+            schedule(tc),
+            b1=tc.adam_b1,
+            b2=tc.adam_b2,
+            eps=tc.adam_eps,
+            weight_decay=tc.weight_decay,
+            mask=jax.tree.map(lambda x: x == "yes", no_decay),
+        )
+    elif tc.optimizer == "sgd":
+        base = optax.sgd(schedule(tc), momentum=tc.adam_b1)
+    else:
+        raise ValueError(f"config.train.optimizer must be adamw or sgd, got {tc.optimizer!r}")
+    tx = optax.chain(optax.clip_by_global_norm(tc.grad_clip), base) if tc.grad_clip else base
     tx = optax.multi_transform(
         {"train": tx, "frozen": optax.set_to_zero()},
         path_labels(params, tc.freeze, "frozen", "train"),
@@ -311,6 +317,30 @@ def summary_metrics(m: dict) -> tuple[float, float]:
 # The loop
 
 
+def _init_state(exp: experiment.Experiment, tx, mesh) -> TrainState:
+    params = sharding.replicate(mesh, exp.params)
+    return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params))
+
+
+def restore(workdir, config: ml_collections.ConfigDict | None = None, exp=None):
+    """The newest checkpoint in `workdir` (config read from beside it unless given).
+
+    Returns:
+      (experiment, TrainState, step).
+    """
+    workdir = pathlib.Path(workdir).absolute()
+    config = config or checkpoints.load_config(workdir)
+    exp = exp or experiment.build(config, workdir)
+    mesh = device_mesh(config)
+    init = functools.partial(_init_state, exp, make_optimizer(config.train, exp.params), mesh)
+    with checkpoints.Checkpointer(workdir, read_only=True) as ckpt:
+        restored = ckpt.restore_latest(jax.eval_shape(init))
+    if restored is None:
+        raise FileNotFoundError(f"no checkpoint in {checkpoints.checkpoint_dir(workdir)}")
+    state, step = restored
+    return exp, state, step
+
+
 class _Logger:
     """stdout + JSONL + TensorBoard, written by process 0 only."""
 
@@ -338,6 +368,40 @@ class _Logger:
             self.tb.close()
 
 
+def validate(config: ml_collections.ConfigDict, num_devices: int) -> None:
+    """Start-up checks of invariants, each error naming the value and what would be right."""
+    tc = config.train
+    sharding.check_batch_divisible(tc.batch_size, num_devices)
+    if config.eval.enabled:
+        sharding.check_batch_divisible(config.eval.batch_size, num_devices, "eval batch")
+    if config.rag.variant not in ("sequence", "token"):
+        raise ValueError(
+            f"config.rag.variant must be sequence or token, got {config.rag.variant!r}"
+        )
+    if config.data.source not in ("synthetic", "files", "tfds"):
+        raise ValueError(
+            f"config.data.source must be synthetic, files or tfds, got {config.data.source!r}"
+        )
+    for key in ("steps", "batch_size", "log_every", "save_every", "grad_accum"):
+        if tc[key] < 1:
+            raise ValueError(f"config.train.{key} must be >= 1, got {tc[key]}")
+    if not 0 <= tc.warmup_steps <= tc.steps:
+        raise ValueError(
+            f"config.train.warmup_steps={tc.warmup_steps} must be in [0, steps={tc.steps}]"
+        )
+
+
+def device_mesh(config: ml_collections.ConfigDict):
+    """The `data` mesh over the first `config.train.num_devices` devices (0 = all)."""
+    devices = jax.devices()
+    count = config.train.num_devices or len(devices)
+    if not 1 <= count <= len(devices):
+        raise ValueError(
+            f"config.train.num_devices={count} but {len(devices)} devices are available"
+        )
+    return sharding.data_mesh(devices[:count])
+
+
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir) -> dict:
     """Trains per `config` in `workdir` (resuming from its checkpoints) and evaluates.
 
@@ -346,17 +410,15 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir) -> dict:
     """
     workdir = pathlib.Path(workdir).absolute()
     sharding.maybe_initialize_distributed()
+    mesh = device_mesh(config)
+    validate(config, mesh.size)
     exp = experiment.build(config, workdir)
-    mesh = sharding.data_mesh()
     tc, variant = config.train, config.rag.variant
     tx = make_optimizer(tc, exp.params)
     rng = jax.random.PRNGKey(config.seed)
     dropout_rng = jax.random.fold_in(rng, 1)
 
-    def init_state():
-        params = sharding.replicate(mesh, exp.params)
-        return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params))
-
+    init_state = functools.partial(_init_state, exp, tx, mesh)
     checkpoints.install_preemption_handler()
     ckpt = checkpoints.Checkpointer(
         workdir, max_to_keep=tc.keep_checkpoints, save_interval_steps=tc.save_every
@@ -368,7 +430,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir) -> dict:
     eval_examples = exp.eval[: config.eval.max_examples or None]
 
     before_path = workdir / "eval_before.json"
-    if before_path.is_file():
+    if not config.eval.enabled:
+        before = {}
+    elif before_path.is_file():
         before = json.loads(before_path.read_text())
     else:
         before, _ = evaluate(exp, state.params, eval_examples, mesh=mesh, variant=variant)
@@ -377,7 +441,6 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir) -> dict:
         logger.write(start, before, "eval/")
     print(f"before training: {json.dumps(before)}", flush=True)
 
-    sharding.check_batch_divisible(tc.batch_size, mesh.size)
     step_fn = make_train_step(exp.rag_cfg, variant, tx, dropout_rng, config.model.deterministic)
     batcher = Batcher(exp, mesh)
     totals: dict = {}
@@ -418,10 +481,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir) -> dict:
     bar.close()
     ckpt.close()
 
-    after, predictions = evaluate(exp, state.params, eval_examples, mesh=mesh, variant=variant)
-    logger.write(step, after, "eval/")
+    after, predictions = {}, []
+    if config.eval.enabled:
+        after, predictions = evaluate(exp, state.params, eval_examples, mesh=mesh, variant=variant)
+        logger.write(step, after, "eval/")
     logger.close()
-    if jax.process_index() == 0:
+    if jax.process_index() == 0 and config.eval.enabled:
         with open(workdir / "predictions.jsonl", "w", encoding="utf-8") as f:
             f.writelines(json.dumps(p) + "\n" for p in predictions)
     recall_before, em_before = summary_metrics(before)

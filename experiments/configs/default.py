@@ -69,6 +69,8 @@ def get_config():
     config.train = ml_collections.ConfigDict()
     config.train.steps = 300
     config.train.batch_size = 16  # global batch; must divide by the device count
+    config.train.num_devices = 0  # data-parallel devices; 0 = all
+    config.train.optimizer = "adamw"  # adamw | sgd (momentum adam_b1)
     config.train.learning_rate = 1e-3
     config.train.warmup_steps = 30
     config.train.decay = "linear"  # linear | polynomial | constant
@@ -89,6 +91,7 @@ def get_config():
     config.train.keep_checkpoints = 2
 
     config.eval = ml_collections.ConfigDict()
+    config.eval.enabled = True  # evaluate held-out questions before and after training
     config.eval.batch_size = 32
     config.eval.max_examples = 0  # 0 = all held-out questions
     config.eval.num_beams = 1  # 1 = greedy

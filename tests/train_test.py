@@ -1,0 +1,223 @@
+"""The joint trainer end to end on tiny configs: learning, freezing, resume, devices, data paths."""
+
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from rag_jax import experiment, train
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "experiments" / "configs"))
+import default as default_config  # noqa: E402
+
+
+def tiny_config(**overrides):
+    config = default_config.get_config()
+    config.data.num_entities = 12
+    config.train.steps = 6
+    config.train.batch_size = 8
+    config.train.log_every = 3
+    config.train.save_every = 3
+    config.train.warmup_steps = 2
+    config.eval.batch_size = 8
+    config.eval.max_examples = 8
+    config.eval.max_length = 6
+    config.rag.n_docs = 5
+    config.rag.max_combined_length = 32
+    config.retrieval.passage_max_length = 32
+    for key, value in overrides.items():
+        node = config
+        *parents, leaf = key.split(".")
+        for p in parents:
+            node = node[p]
+        node[leaf] = value
+    return config
+
+
+def _flat(tree):
+    return {
+        jax.tree_util.keystr(p): np.asarray(v) for p, v in jax.tree_util.tree_leaves_with_path(tree)
+    }
+
+
+def _final_params(workdir):
+    _, state, step = train.restore(workdir)
+    return step, state.params
+
+
+@pytest.fixture(scope="module")
+def fifty_steps(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("fifty")
+    config = tiny_config(**{"train.steps": 50, "train.log_every": 10, "train.save_every": 50})
+    exp = experiment.build(config, workdir)
+    summary = train.train_and_evaluate(config, workdir)
+    return workdir, exp.params, summary
+
+
+def test_loss_falls_and_only_trainable_params_move(fifty_steps):
+    workdir, initial, summary = fifty_steps
+    assert summary["steps"] == 50
+    logs = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["train/loss"] for r in logs if "train/loss" in r]
+    assert len(losses) == 5 and losses[-1] < 0.8 * losses[0], losses
+    _, final = _final_params(workdir)
+    before, after = _flat(initial), _flat(final)
+    moved = {k for k in before if not np.array_equal(before[k], after[k])}
+    assert all(
+        any(k.startswith(f"['{half}']") for k in moved)
+        for half in ("question_encoder", "generator")
+    )
+    frozen = [k for k in before if k.startswith("['passage_encoder']")]
+    assert frozen and not moved & set(frozen)  # the frozen tower is bitwise unchanged
+    assert "['generator']['final_logits_bias']" not in moved
+
+
+def test_summary_line_and_outputs(fifty_steps):
+    workdir, _, summary = fifty_steps
+    for key in ("recall_at_5_before", "recall_at_5_after", "em_before", "em_after"):
+        assert isinstance(summary[key], float) and 0.0 <= summary[key] <= 1.0
+    predictions = (workdir / "predictions.jsonl").read_text().splitlines()
+    assert len(predictions) == 8  # eval.max_examples, the last partial batch included
+    assert (workdir / "tensorboard").is_dir()
+
+
+def _run_script(workdir, extra, env=None):
+    cmd = [
+        sys.executable,
+        str(ROOT / "experiments" / "train.py"),
+        f"--config={ROOT / 'experiments' / 'configs' / 'default.py'}",
+        f"--workdir={workdir}",
+        "--config.data.num_entities=12",
+        "--config.train.batch_size=8",
+        "--config.train.warmup_steps=2",
+        "--config.eval.batch_size=8",
+        "--config.eval.max_examples=8",
+        "--config.eval.max_length=6",
+        "--config.rag.n_docs=5",
+        "--config.rag.max_combined_length=32",
+        "--config.retrieval.passage_max_length=32",
+        *extra,
+    ]
+    return subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env or os.environ
+    )
+
+
+@pytest.mark.slow
+def test_sigterm_resume_is_bitwise_identical(tmp_path):
+    steps = [
+        "--config.train.steps=40",
+        "--config.train.save_every=1000",
+        "--config.train.log_every=5",
+    ]
+    straight = _run_script(tmp_path / "straight", steps)
+    assert straight.wait(timeout=600) == 0, straight.stdout.read()
+
+    interrupted = _run_script(tmp_path / "resumed", steps)
+    deadline = time.time() + 600
+    for line in interrupted.stdout:
+        if "train:" in line and "/40" in line and " 1" in line.split("/40")[0][-3:]:
+            break
+        if time.time() > deadline:
+            break
+    time.sleep(2.0)
+    interrupted.send_signal(signal.SIGTERM)
+    out = interrupted.communicate(timeout=600)[0]
+    assert interrupted.returncode == 0, out
+    assert "preempted: saved step" in out, out
+    resumed = _run_script(tmp_path / "resumed", steps)
+    assert resumed.wait(timeout=600) == 0, resumed.stdout.read()
+
+    step_a, a = _final_params(tmp_path / "straight")
+    step_b, b = _final_params(tmp_path / "resumed")
+    assert step_a == step_b == 40
+    fa, fb = _flat(a), _flat(b)
+    for k in fa:
+        np.testing.assert_array_equal(fa[k], fb[k], err_msg=k)
+
+
+def test_eight_devices_equal_one(tmp_path):
+    """The same run on a 1-device and an 8-device mesh ends with the same parameters.
+
+    SGD, because Adam's first steps divide each gradient by its own magnitude: a gradient entry
+    near zero whose last bits differ between reduction orders flips its update's sign, which says
+    nothing about the data parallelism under test.
+    """
+    results = {}
+    for devices in (1, 8):
+        config = tiny_config(
+            **{
+                "train.steps": 3,
+                "train.save_every": 3,
+                "train.num_devices": devices,
+                "train.optimizer": "sgd",
+                "train.learning_rate": 0.1,
+                "eval.enabled": False,
+            }
+        )
+        train.train_and_evaluate(config, tmp_path / str(devices))
+        results[devices] = _flat(_final_params(tmp_path / str(devices))[1])
+    moved = 0
+    for k in results[1]:
+        np.testing.assert_allclose(results[1][k], results[8][k], atol=1e-5, rtol=0, err_msg=k)
+    initial = _flat(experiment.build(tiny_config(), tmp_path / "init").params)
+    moved = sum(not np.allclose(initial[k], results[1][k], atol=1e-4) for k in initial)
+    assert moved > 10  # the steps changed the parameters by far more than the tolerance
+
+
+@pytest.mark.slow
+def test_jsonl_data_path(tmp_path, shared_data):
+    """A few steps on real QA files: SQuAD questions over their own passages."""
+    questions = [
+        json.loads(line) for line in open(shared_data / "squad11_dev" / "questions.jsonl")
+    ][:40]
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(q) + "\n" for q in questions[:32]))
+    (tmp_path / "eval.jsonl").write_text("".join(json.dumps(q) + "\n" for q in questions[32:]))
+    gold = {q["gold_passage_id"] for q in questions}
+    passages = [json.loads(line) for line in open(shared_data / "squad11_dev" / "passages.jsonl")]
+    corpus = [p for p in passages if p["id"] in gold] + passages[:20]
+    corpus = list({p["id"]: p for p in corpus}.values())
+    (tmp_path / "corpus.jsonl").write_text("".join(json.dumps(p) + "\n" for p in corpus))
+    from hf_fixtures import minilm_path
+
+    config = tiny_config(
+        **{
+            "data.source": "files",
+            "model.init": "pretrained",
+            "model.question_encoder_path": str(minilm_path()),
+            "train.steps": 2,
+            "rag.max_combined_length": 64,
+            "retrieval.passage_max_length": 64,
+            "data.answer_length": 12,
+            "data.question_length": 32,
+        }
+    )
+    config.data.train_path = str(tmp_path / "train.jsonl")
+    config.data.eval_path = str(tmp_path / "eval.jsonl")
+    config.data.corpus_path = str(tmp_path / "corpus.jsonl")
+    config.data.fields = {"gold_ids": "gold_passage_id"}
+    config.model.generator.max_position_embeddings = 128
+    summary = train.train_and_evaluate(config, tmp_path / "work")
+    assert summary["steps"] == 2
+    assert summary["recall_at_5_before"] > 0.2  # real MiniLM retrieves real gold passages
+
+
+def test_config_errors_name_the_value(tmp_path):
+    with pytest.raises(ValueError, match=r"global batch 6 is not divisible by 8"):
+        train.train_and_evaluate(tiny_config(**{"train.batch_size": 6}), tmp_path / "a")
+    with pytest.raises(ValueError, match=r"config.train.num_devices=9 but 8"):
+        train.train_and_evaluate(tiny_config(**{"train.num_devices": 9}), tmp_path / "a")
+    with pytest.raises(ValueError, match=r"config.rag.variant"):
+        train.train_and_evaluate(tiny_config(**{"rag.variant": "both"}), tmp_path / "a")
+    with pytest.raises(ValueError, match=r"n_docs=999 exceeds the corpus size"):
+        experiment.build(tiny_config(**{"rag.n_docs": 999}), tmp_path / "b")
+    with pytest.raises(ValueError, match=r"config.data.source"):
+        experiment.build(tiny_config(**{"data.source": "web"}), tmp_path / "c")
