@@ -3,6 +3,7 @@
 import json
 import os
 import pathlib
+import re
 import signal
 import subprocess
 import sys
@@ -123,10 +124,9 @@ def test_sigterm_resume_is_bitwise_identical(tmp_path):
 
     interrupted = _run_script(tmp_path / "resumed", steps)
     deadline = time.time() + 600
-    for line in interrupted.stdout:
-        if "train:" in line and "/40" in line and " 1" in line.split("/40")[0][-3:]:
-            break
-        if time.time() > deadline:
+    for line in interrupted.stdout:  # tqdm's "\r" updates arrive as lines (universal newlines)
+        progress = re.search(r"(\d+)/40", line)
+        if (progress and int(progress.group(1)) >= 10) or time.time() > deadline:
             break
     time.sleep(2.0)
     interrupted.send_signal(signal.SIGTERM)
