@@ -21,6 +21,8 @@ setup(
         "safetensors>=0.4",
         "transformers>=5.24,<6",
         "tqdm>=4.60",
+        "tensorboardX>=2.6",
+        "absl-py>=1.0",
         "scann>=1.4.2,<1.5",
         "tensorflow-datasets>=4.9.10,<5",
         "array-record>=0.5",
