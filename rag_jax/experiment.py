@@ -21,7 +21,7 @@ import jax
 import ml_collections
 import numpy as np
 
-from rag_jax import bart, bert, data, encode, hf, rag, synthetic
+from rag_jax import bart, bert, data, encode, hf, rag, synthetic, warm_start
 from rag_jax.corpus import Passage, read_passages
 from rag_jax.index import ExactIndex, ScannIndex
 from rag_jax.passage_store import PassageStore
@@ -207,6 +207,35 @@ def encode_store(store, passage_cfg, passage_params, tokenizer, config) -> np.nd
     )
 
 
+def _ict(config, rag_cfg, p_cfg, params, tokenizer, store) -> dict:
+    """Both retriever towers after the inverse-cloze warm start (no QA supervision)."""
+    if p_cfg != rag_cfg.question_encoder:
+        raise ValueError("the ICT warm start needs both towers to share one architecture")
+    w = config.warm_start
+    q_params, p_params, log = warm_start.ict_warm_start(
+        rag_cfg.question_encoder,
+        params["question_encoder"],
+        params["passage_encoder"],
+        tokenizer,
+        [(store.title(i), store.text(i)) for i in range(len(store))],
+        steps=w.steps,
+        batch_size=w.batch_size,
+        learning_rate=w.learning_rate,
+        seed=config.seed,
+        query_length=config.data.question_length,
+        passage_length=config.retrieval.passage_max_length,
+        keep_prob=w.keep_prob,
+        passage_format=config.retrieval.passage_format,
+    )
+    last = log[-1]
+    print(
+        f"ICT warm start: {w.steps} steps, loss {last['loss']:.3f}, in-batch accuracy "
+        f"{last['in_batch_accuracy']:.3f}",
+        flush=True,
+    )
+    return dict(params, question_encoder=q_params, passage_encoder=p_params)
+
+
 def make_index(vectors: np.ndarray, kind: str):
     if kind == "exact":
         return ExactIndex(vectors)
@@ -226,6 +255,12 @@ def build(config: ml_collections.ConfigDict, workdir) -> Experiment:
     model_rng = jax.random.fold_in(jax.random.PRNGKey(config.seed), 0)
     rag_cfg, p_cfg, params = _models(config, q_tok, g_tok, model_rng)
     store = build_store(passages, g_tok, workdir / "passages", rag_cfg)
+    if config.warm_start.method == "ict":
+        params = _ict(config, rag_cfg, p_cfg, params, q_tok, store)
+    elif config.warm_start.method != "none":
+        raise ValueError(
+            f"config.warm_start.method must be none or ict: {config.warm_start.method!r}"
+        )
     if rag_cfg.n_docs > len(store):
         raise ValueError(
             f"config.rag.n_docs={rag_cfg.n_docs} exceeds the corpus size {len(store)}; use at "

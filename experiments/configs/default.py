@@ -53,6 +53,15 @@ def get_config():
         )
     )
 
+    # Unsupervised retriever warm start (inverse cloze task): without pretrained weights it gives
+    # the joint objective its first signal. It uses passages only, never the QA pairs.
+    config.warm_start = ml_collections.ConfigDict()
+    config.warm_start.method = "ict"  # ict | none
+    config.warm_start.steps = 200
+    config.warm_start.batch_size = 64
+    config.warm_start.learning_rate = 3e-3
+    config.warm_start.keep_prob = 0.1  # how often the query sentence stays in its passage
+
     config.rag = ml_collections.ConfigDict()
     config.rag.variant = "sequence"  # sequence | token
     config.rag.n_docs = 5  # N: passages per question
@@ -76,6 +85,7 @@ def get_config():
     config.train.decay = "linear"  # linear | polynomial | constant
     config.train.decay_power = 1.0  # for polynomial decay
     config.train.end_lr_factor = 0.0  # final learning rate = learning_rate * this
+    config.train.retriever_lr_factor = 0.1  # question-encoder learning rate / learning_rate
     config.train.weight_decay = 0.01
     config.train.no_decay = r"(bias|scale|ln|final_logits_bias)"  # paths without weight decay
     config.train.adam_b1 = 0.9
