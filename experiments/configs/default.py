@@ -6,7 +6,10 @@ Builds a world of invented entities (facts that cannot be guessed), encodes its 
 passage encoder, indexes them, trains the question encoder and a tiny BART jointly through the
 RAG-Sequence likelihood (passage encoder frozen), and evaluates on entities never seen in training.
 Prints recall@5 and exact match on held-out questions before and after, and ends with one JSON line.
-Runtime: about 4 minutes on 2 CPU cores.
+Runtime: about 4 minutes on 2 CPU cores. Measured (seed 0): held-out gold recall@5 0.45 after the
+inverse-cloze warm start, 0.30 after joint training; EM 0.00 -> 0.02. The generator starts to read
+its contexts only after ~300 steps, and so far the retriever's gradient does not improve recall
+within this budget (see the README).
 """
 
 import ml_collections
@@ -76,16 +79,16 @@ def get_config():
     config.retrieval.encode_batch_size = 256
 
     config.train = ml_collections.ConfigDict()
-    config.train.steps = 300
+    config.train.steps = 500
     config.train.batch_size = 16  # global batch; must divide by the device count
     config.train.num_devices = 0  # data-parallel devices; 0 = all
     config.train.optimizer = "adamw"  # adamw | sgd (momentum adam_b1)
-    config.train.learning_rate = 1e-3
+    config.train.learning_rate = 2e-3
     config.train.warmup_steps = 30
     config.train.decay = "linear"  # linear | polynomial | constant
     config.train.decay_power = 1.0  # for polynomial decay
     config.train.end_lr_factor = 0.0  # final learning rate = learning_rate * this
-    config.train.retriever_lr_factor = 0.1  # question-encoder learning rate / learning_rate
+    config.train.retriever_lr_factor = 0.03  # question-encoder learning rate / learning_rate
     config.train.weight_decay = 0.01
     config.train.no_decay = r"(bias|scale|ln|final_logits_bias)"  # paths without weight decay
     config.train.adam_b1 = 0.9
