@@ -69,6 +69,10 @@ class RagConfig:
         return dataclasses.replace(self, **changes)
 
 
+# The retrieval score q · d: [B, D] x [B, N, D] -> [B, N] (re-exported for callers).
+doc_scores = rag_math.doc_scores
+
+
 def init_params(cfg: RagConfig, rng: jax.Array) -> dict:
     """Random parameters for both halves (shapes only depend on the configs)."""
     q_rng, g_rng = jax.random.split(rng)
