@@ -92,8 +92,9 @@ def _field_names(fields: Mapping[str, str] | None) -> tuple[str, str, str]:
     return tuple(fields.get(name, name) for name in FIELDS)
 
 
-def _lines(path) -> Iterator[tuple[int, str]]:
-    """Yields (1-based line number, line) of a UTF-8 text file, universal newlines like open()."""
+def text_lines(path) -> Iterator[tuple[int, str]]:
+    """Yields (1-based line number, line) of a UTF-8 text file (optionally .gz), universal newlines
+    like open(); a line that is not valid UTF-8 is an error naming it."""
     raw = gzip.open(path, "rb") if str(path).endswith(".gz") else open(path, "rb")
     with io.TextIOWrapper(raw, encoding="utf-8", errors="surrogateescape", newline=None) as f:
         for line_no, line in enumerate(f, start=1):
@@ -107,7 +108,7 @@ def _tsv_records(path, names) -> Iterator[tuple[int, Passage]]:
 
     def counted():
         nonlocal last_line
-        for line_no, line in _lines(path):
+        for line_no, line in text_lines(path):
             last_line = line_no  # where the row csv is parsing ends, for error messages
             yield line
 
@@ -136,8 +137,9 @@ def _tsv_records(path, names) -> Iterator[tuple[int, Passage]]:
         raise ValueError(f"{path}, line {last_line}: {e}") from None
 
 
-def _jsonl_records(path, names) -> Iterator[tuple[int, Passage]]:
-    for line_no, line in _lines(path):
+def json_objects(path) -> Iterator[tuple[int, dict]]:
+    """Yields (1-based line number, object) of a JSONL file; other lines are errors naming them."""
+    for line_no, line in text_lines(path):
         try:
             record = json.loads(line)
         except json.JSONDecodeError as e:
@@ -148,6 +150,11 @@ def _jsonl_records(path, names) -> Iterator[tuple[int, Passage]]:
             raise ValueError(
                 f"{path}, line {line_no}: expected a JSON object, got {type(record).__name__}"
             )
+        yield line_no, record
+
+
+def _jsonl_records(path, names) -> Iterator[tuple[int, Passage]]:
+    for line_no, record in json_objects(path):
         values = []
         for name in names:
             if name not in record:

@@ -25,15 +25,14 @@ import ast
 import csv
 import dataclasses
 import functools
-import gzip
-import io
 import json
 import pathlib
-import re
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
+
+from rag_jax.corpus import json_objects, text_lines
 
 FIELDS = ("question", "answers", "id", "gold_ids")
 # Field mappings for the two QA files in `../shared/data` (see their READMEs).
@@ -50,7 +49,6 @@ TARGET_MODES = ("first", "sample")
 _MISSING = object()
 # Undecodable bytes become lone surrogates under errors="surrogateescape"; valid UTF-8 never
 # decodes to one, so finding one pins a bad line without losing the line count.
-_UNDECODABLE = re.compile("[\udc80-\udcff]")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,17 +119,7 @@ def read_jsonl(path, fields: Mapping[str, str] | None = None) -> list[Example]:
     """
     names, required = _field_names(fields)
     parsed = []
-    for line_no, line in _lines(path):
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(
-                f"{path}, line {line_no}: invalid JSON ({e.msg}, column {e.colno})"
-            ) from None
-        if not isinstance(record, dict):
-            raise ValueError(
-                f"{path}, line {line_no}: expected a JSON object, got {type(record).__name__}"
-            )
+    for line_no, record in json_objects(path):
         values = {ours: record.get(theirs, _MISSING) for ours, theirs in names.items()}
         parsed.append((line_no, values))
     return _examples(path, parsed, names, required)
@@ -167,7 +155,7 @@ def read_csv(
 
     def counted():
         nonlocal last_line
-        for line_no, line in _lines(path):
+        for line_no, line in text_lines(path):
             last_line = line_no  # where the current row ends
             yield line
 
@@ -206,16 +194,6 @@ def _field_names(fields: Mapping[str, str] | None) -> tuple[dict[str, str], set[
     if unknown:
         raise ValueError(f"fields: unknown keys {unknown}; expected a subset of {list(FIELDS)}")
     return {name: fields.get(name, name) for name in FIELDS}, {"question", "answers", *fields}
-
-
-def _lines(path) -> Iterator[tuple[int, str]]:
-    """Yields (1-based line number, line) of a UTF-8 text file, universal newlines like open()."""
-    raw = gzip.open(path, "rb") if str(path).endswith(".gz") else open(path, "rb")
-    with io.TextIOWrapper(raw, encoding="utf-8", errors="surrogateescape", newline=None) as f:
-        for line_no, line in enumerate(f, start=1):
-            if _UNDECODABLE.search(line):
-                raise ValueError(f"{path}, line {line_no}: not valid UTF-8")
-            yield line_no, line
 
 
 def _list_cell(cell: str, where: str) -> Any:
