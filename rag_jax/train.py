@@ -141,8 +141,8 @@ def make_train_step(rag_cfg: rag.RagConfig, variant: str, tx, dropout_rng, deter
         step_metrics = {
             "loss": (jnp.sum(aux["nll"] * weights), jnp.sum(weights)),
             "doc_entropy": (jnp.sum(_entropy(aux["doc_scores"]) * weights), jnp.sum(weights)),
-            "grad_norm": (optax.global_norm(grads), jnp.ones(())),
-            "question_grad_norm": (optax.global_norm(grads["question_encoder"]), jnp.ones(())),
+            "grad_norm": (optax.tree.norm(grads), jnp.ones(())),
+            "question_grad_norm": (optax.tree.norm(grads["question_encoder"]), jnp.ones(())),
         }
         del value
         return TrainState(state.step + 1, params, opt_state), step_metrics
