@@ -135,7 +135,7 @@ def test_restore_or_init_resumes_latest_without_calling_init(tmp_path, caplog):
 
 def test_restore_into_sharded_abstract_state(tmp_path):
     if jax.device_count() != 8:
-        pytest.skip(f"needs 8 devices (see conftest.py); got {jax.device_count()}")
+        pytest.skip(reason=f"needs 8 devices (see conftest.py); got {jax.device_count()}")
     mesh = sharding.data_mesh()
     rng = np.random.default_rng(1)
     state = {

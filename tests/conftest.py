@@ -24,5 +24,7 @@ SHARED_DATA = pathlib.Path(__file__).resolve().parents[1].parent / "shared" / "d
 def shared_data():
     """The real QA data in ../shared/data; skips with the reason when a clone has none."""
     if not SHARED_DATA.is_dir():
-        pytest.skip(f"real QA data not found at {SHARED_DATA} (only present beside the project)")
+        pytest.skip(
+            reason=f"real QA data not found at {SHARED_DATA} (only present beside the project)"
+        )
     return SHARED_DATA

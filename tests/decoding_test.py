@@ -471,7 +471,7 @@ def test_greedy_search_matches_hf(case):
 
 def test_beam_search_sharded_over_devices_matches_one_device():
     if jax.device_count() < 8:
-        pytest.skip("needs 8 devices (XLA_FLAGS=--xla_force_host_platform_device_count=8)")
+        pytest.skip(reason="needs 8 devices (XLA_FLAGS=--xla_force_host_platform_device_count=8)")
     n_docs, settings = BEAM_SETTINGS[1]
     settings = {**BART_LIKE, "max_length": 12, **settings, "batch_size": 8}
     search = _jitted("beam", n_docs, tuple(sorted(settings.items())))

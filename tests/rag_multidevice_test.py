@@ -28,7 +28,9 @@ GEN = dict(max_length=8, min_length=2, no_repeat_ngram_size=2, num_beams=3)
 @pytest.fixture(scope="module")
 def mesh():
     if jax.device_count() != NUM_DEVICES:
-        pytest.skip(f"needs {NUM_DEVICES} devices (see conftest.py); got {jax.device_count()}")
+        pytest.skip(
+            reason=f"needs {NUM_DEVICES} devices (see conftest.py); got {jax.device_count()}"
+        )
     return jax.sharding.Mesh(np.array(jax.devices()), (sharding.DATA_AXIS,))
 
 

@@ -16,7 +16,9 @@ NUM_DEVICES = 8
 @pytest.fixture(scope="module")
 def mesh():
     if jax.device_count() != NUM_DEVICES:
-        pytest.skip(f"needs {NUM_DEVICES} devices (see conftest.py); got {jax.device_count()}")
+        pytest.skip(
+            reason=f"needs {NUM_DEVICES} devices (see conftest.py); got {jax.device_count()}"
+        )
     return sharding.data_mesh()
 
 
