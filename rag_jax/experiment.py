@@ -52,7 +52,7 @@ def _examples_from_world(world: synthetic.World, split: str) -> list[data.Exampl
     ]
 
 
-def _load_data(config, workdir: pathlib.Path):
+def _load_data(config):
     """(train examples, eval examples, passages, world or None)."""
     d = config.data
     if d.source == "synthetic":
@@ -248,7 +248,7 @@ def build(config: ml_collections.ConfigDict, workdir) -> Experiment:
     """Builds the experiment described by `config`, caching the passage store in `workdir`."""
     workdir = pathlib.Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    train, evals, passages, world = _load_data(config, workdir)
+    train, evals, passages, world = _load_data(config)
     if not train or not evals:
         raise ValueError(f"empty split: {len(train)} train and {len(evals)} eval examples")
     q_tok, g_tok = _tokenizers(config, world)

@@ -379,9 +379,7 @@ def _settings(cfg: RagConfig, overrides: dict) -> dict:
     unknown = set(overrides) - {f.name for f in dataclasses.fields(GenerationConfig)}
     if unknown:
         raise ValueError(f"unknown generation settings {sorted(unknown)}")
-    settings = dataclasses.asdict(
-        cfg.generation.__class__(**{**dataclasses.asdict(cfg.generation), **overrides})
-    )
+    settings = dataclasses.asdict(dataclasses.replace(cfg.generation, **overrides))
     settings["bad_words_ids"] = tuple(tuple(w) for w in settings["bad_words_ids"])
     if settings["num_beams"] == 1:
         for k in ("length_penalty", "early_stopping"):

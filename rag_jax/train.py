@@ -134,7 +134,7 @@ def make_train_step(rag_cfg: rag.RagConfig, variant: str, tx, dropout_rng, deter
         def loss(params):
             return rag.loss_fn(rag_cfg, params, flat, variant, rng)
 
-        (value, aux), grads = jax.value_and_grad(loss, has_aux=True)(state.params)
+        (_, aux), grads = jax.value_and_grad(loss, has_aux=True)(state.params)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         weights = aux["weights"]
@@ -144,7 +144,6 @@ def make_train_step(rag_cfg: rag.RagConfig, variant: str, tx, dropout_rng, deter
             "grad_norm": (optax.tree.norm(grads), jnp.ones(())),
             "question_grad_norm": (optax.tree.norm(grads["question_encoder"]), jnp.ones(())),
         }
-        del value
         return TrainState(state.step + 1, params, opt_state), step_metrics
 
     return jax.jit(train_step, donate_argnums=0)
