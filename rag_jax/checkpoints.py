@@ -13,14 +13,25 @@ Guarantees the trainer relies on:
   leftover temporary directory from a crash is ignored and deleted when the next `Checkpointer`
   opens the directory.
 - Keep-N. After each save only the newest `max_to_keep` steps remain.
+- Verified. Each step stores a checksum of every array (`state_checksums`) beside the state, and
+  `restore` recomputes them: a corrupted file is an error, never silently wrong parameters.
+- Disk full. A write that fails for lack of space raises `OSError` (`errno.ENOSPC`) saying so
+  and naming the last complete step, which is left intact.
 - Async. `save` returns once the arrays are copied off the devices (so the next step may donate
   or overwrite them); writing continues in the background. `wait()` blocks until it is on disk.
 - Resume. `restore_or_init` restores the newest readable step into the shardings of the
   abstract state (so multi-device arrays come back sharded), falls back to older steps with a
-  warning when the newest cannot be read, and calls `init_fn` when there is none.
+  warning when the newest cannot be read (deleting the unreadable newer steps, which would
+  otherwise shadow the ones this run saves), and calls `init_fn` when there is none.
 - Preemption. `install_preemption_handler()` turns SIGTERM into a flag the loop polls with
   `should_stop(step)`; on multi-host runs `should_stop` instead asks JAX's preemption service
   whether all hosts reached the agreed step, so every host saves the same step.
+- Multi-host. Every process makes the same calls (`save`, `restore_latest`, `close`): orbax
+  writes each array's shards from the processes that hold them and synchronises the processes.
+  The directory must be storage that every host sees: a `gs://` bucket (the URL reaches orbax
+  unchanged: `checkpoint_dir("gs://b/run")` is `gs://b/run/checkpoints`) or a shared filesystem.
+  A checkpoint restores onto any device layout given by the abstract state: one written by two
+  processes restores in one, and the other way round.
 
 The training loop looks like::
 
@@ -38,6 +49,8 @@ The training loop looks like::
     ckpt.close()  # Waits for the last write.
 """
 
+import contextlib
+import errno
 import json
 import signal
 import threading
@@ -47,6 +60,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import ml_collections
+import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
 from etils import epath
@@ -55,10 +69,15 @@ from jax.experimental import multihost_utils
 CHECKPOINT_SUBDIR = "checkpoints"
 _STATE = "state"
 _CONFIG = "config"
+_CHECKSUMS = "checksums"
 
 
 def checkpoint_dir(workdir: epath.PathLike) -> epath.Path:
-    """Where `Checkpointer(workdir)` keeps its step directories (absolute, as orbax requires)."""
+    """Where `Checkpointer(workdir)` keeps its step directories (absolute, as orbax requires).
+
+    A local path is made absolute; a URL such as `gs://bucket/run` stays as it is (etils'
+    `epath`, unlike `pathlib`, keeps the scheme).
+    """
     path = epath.Path(workdir)
     return (path if path.is_absolute() else path.absolute()) / CHECKPOINT_SUBDIR
 
@@ -96,6 +115,58 @@ def _abstract(tree: Any) -> Any:
     return jax.tree.map(to_struct, tree)
 
 
+def _leaf_checksum(x: jax.Array) -> jax.Array:
+    """[2] uint32: the sum of `x`'s raw bits and their sum weighted by odd position numbers.
+
+    Integer sums wrap modulo 2**32, so they are exact whatever the device layout or reduction
+    order; any change of a single byte changes the weighted sum (an odd weight times a change
+    below 2**32 is never a multiple of 2**32).
+    """
+    if x.dtype == jnp.bool_:
+        bits = x.astype(jnp.uint32)
+    else:
+        unsigned = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}[x.dtype.itemsize]
+        bits = jax.lax.bitcast_convert_type(x, unsigned).astype(jnp.uint32)  # 8 bytes: [..., 2]
+    position = jnp.zeros(bits.shape, jnp.uint32)
+    for axis in range(bits.ndim):  # row-major position, without a reshape of a sharded array
+        stride = int(np.prod(bits.shape[axis + 1 :], dtype=np.uint64) % 2**32)
+        position = position + jax.lax.broadcasted_iota(jnp.uint32, bits.shape, axis) * stride
+    total = jnp.sum(bits, dtype=jnp.uint32)
+    return jnp.stack([total, jnp.sum(bits * (2 * position + 1), dtype=jnp.uint32)])
+
+
+@jax.jit
+def _checksums_fn(leaves: list) -> list:
+    return [_leaf_checksum(x) for x in leaves]
+
+
+def state_checksums(state: Any) -> dict[str, list[int]]:
+    """{leaf path: [sum, weighted sum]} of a state's arrays (see `_leaf_checksum`).
+
+    Computed on the devices where the arrays live (one small transfer back), so it costs one
+    read of the state per save; every process of a multi-host run must call it.
+    """
+    paths_and_leaves = jax.tree_util.tree_flatten_with_path(state)[0]
+    leaves = [jnp.asarray(leaf) for _, leaf in paths_and_leaves]
+    sums = jax.device_get(_checksums_fn(leaves))
+    return {
+        jax.tree_util.keystr(path): [int(v) for v in value]
+        for (path, _), value in zip(paths_and_leaves, sums, strict=True)
+    }
+
+
+def _is_disk_full(error: BaseException) -> bool:
+    """Whether `error` or one it was raised from is a full disk (Python's or TensorStore's)."""
+    while error is not None:
+        if isinstance(error, OSError) and error.errno == errno.ENOSPC:
+            return True
+        text = str(error)
+        if "No space left on device" in text or "os_error_code='28'" in text:
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
 def _first_line(error: BaseException, limit: int = 300) -> str:
     text = str(error).strip().splitlines()
     text = text[0] if text else ""
@@ -106,7 +177,8 @@ class Checkpointer:
     """Saves and restores a training-state pytree plus the run config under a workdir.
 
     Args:
-      workdir: the run's directory; checkpoints go to `<workdir>/checkpoints`.
+      workdir: the run's directory, local or `gs://...`; checkpoints go to
+        `<workdir>/checkpoints`. On several hosts, storage that all of them see.
       max_to_keep: how many of the newest steps to keep (None keeps all).
       save_interval_steps: `save(step, ...)` writes only when `step` is a multiple of this, when
         the directory holds no step yet, with `force=True`, or at a multi-host preemption sync
@@ -146,8 +218,10 @@ class Checkpointer:
                 create=True,
             )
         self._manager = ocp.CheckpointManager(
-            self.directory, item_names=(_STATE, _CONFIG), options=options
+            self.directory, item_names=(_STATE, _CONFIG, _CHECKSUMS), options=options
         )
+        self._read_only = read_only
+        self._writing: int | None = None  # the step of the last save started
 
     def all_steps(self) -> list[int]:
         """Finished steps on disk, ascending."""
@@ -169,23 +243,51 @@ class Checkpointer:
         Returns:
           Whether a save was started. A step that is already on disk is not written again
           (e.g. a preemption right after resuming from it).
+
+        Raises:
+          OSError: `errno.ENOSPC` when the disk is full (this save's or the previous one's).
         """
         if step in self._manager.all_steps():
             logging.info(
                 "Checkpoint step %d already exists in %s; not saving.", step, self.directory
             )
             return False
+        if not force and not self._manager.should_save(step):
+            return False
+        self.wait()  # The previous save's errors are its own (orbax would wait here anyway).
         items = {_STATE: ocp.args.StandardSave(state)}
         if config is not None:
             items[_CONFIG] = ocp.args.JsonSave(config_to_dict(config))
-        saved = self._manager.save(step, args=ocp.args.Composite(**items), force=force)
+        self._writing = step
+        with self._disk_full_names():
+            items[_CHECKSUMS] = ocp.args.JsonSave(state_checksums(state))
+            # Decided above; orbax's own decision would ask the preemption service again.
+            saved = self._manager.save(step, args=ocp.args.Composite(**items), force=True)
         if saved:
             logging.info("Saving checkpoint step %d to %s.", step, self.directory)
         return saved
 
+    @contextlib.contextmanager
+    def _disk_full_names(self):
+        """Turns a failed write for lack of space into an `OSError` that says so."""
+        try:
+            yield
+        except Exception as e:
+            if not _is_disk_full(e):
+                raise
+            steps = [int(p.name) for p in self.directory.iterdir() if p.name.isdigit()]
+            kept = f"step {max(steps)}" if steps else "none"
+            raise OSError(
+                errno.ENOSPC,
+                f"disk full while writing checkpoint step {self._writing} to {self.directory} "
+                f"({_first_line(e)}); the last complete checkpoint ({kept}) is intact: free "
+                "space and restart to resume from it",
+            ) from e
+
     def wait(self) -> None:
         """Blocks until every started save is on disk; raises if a background write failed."""
-        self._manager.wait_until_finished()
+        with self._disk_full_names():
+            self._manager.wait_until_finished()
 
     def restore(self, step: int, abstract_state: Any) -> Any:
         """Restores `step` into the structure, dtypes and shardings of `abstract_state`.
@@ -197,13 +299,23 @@ class Checkpointer:
 
         Returns:
           The state, a pytree of `jax.Array`s with the structure of `abstract_state`.
+
+        Raises:
+          ValueError: naming the step and array when an array differs from its stored checksum.
         """
-        restored = self._manager.restore(
-            step,
-            args=ocp.args.Composite(
-                **{_STATE: ocp.args.StandardRestore(_abstract(abstract_state))}
-            ),
-        )
+        items = {_STATE: ocp.args.StandardRestore(_abstract(abstract_state))}
+        checked = (epath.Path(self._manager.directory) / str(step) / _CHECKSUMS).exists()
+        if checked:  # Steps saved before checksums were stored are read unchecked.
+            items[_CHECKSUMS] = ocp.args.JsonRestore()
+        restored = self._manager.restore(step, args=ocp.args.Composite(**items))
+        if checked:
+            actual = state_checksums(restored[_STATE])
+            for path, expected in restored[_CHECKSUMS].items():
+                if actual.get(path) != expected:
+                    raise ValueError(
+                        f"checkpoint step {step} in {self.directory}: array {path} does not "
+                        "match its stored checksum (the files are corrupted)"
+                    )
         return restored[_STATE]
 
     def restore_latest(self, abstract_state: Any) -> tuple[Any, int] | None:
@@ -223,7 +335,7 @@ class Checkpointer:
         errors = []
         for step in reversed(steps):
             try:
-                return self.restore(step, abstract_state), step
+                state = self.restore(step, abstract_state)
             except Exception as e:  # Any failure to read means "try an older step".
                 errors.append(f"step {step}: {_first_line(e)}")
                 logging.warning(
@@ -232,6 +344,16 @@ class Checkpointer:
                     self.directory,
                     _first_line(e),
                 )
+                continue
+            unreadable = [s for s in steps if s > step]
+            if unreadable and not self._read_only:
+                # Left in place they would shadow this run's saves of the same steps.
+                logging.warning(
+                    "Deleting unreadable checkpoint steps %s in %s.", unreadable, self.directory
+                )
+                for bad in unreadable:
+                    self._manager.delete(bad)
+            return state, step
         if steps:
             raise RuntimeError(
                 f"no readable checkpoint in {self.directory} (steps {steps}); errors:\n  "
@@ -281,7 +403,8 @@ class Checkpointer:
 
     def close(self) -> None:
         """Waits for pending saves and releases the manager's threads."""
-        self._manager.close()
+        with self._disk_full_names():
+            self._manager.close()
 
     def __enter__(self) -> "Checkpointer":
         return self

@@ -17,6 +17,7 @@ import itertools
 import json
 import pathlib
 import re
+import zlib
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -26,6 +27,9 @@ FIELDS = ("id", "title", "text")
 # Undecodable bytes become lone surrogates under errors="surrogateescape"; valid UTF-8 never
 # decodes to one, so finding one pins a bad line without losing the line count.
 _UNDECODABLE = re.compile("[\udc80-\udcff]")
+# JSON's "\ud800" escapes decode to lone surrogates, which no UTF-8 file or tokenizer can hold.
+_SURROGATE = re.compile("[\ud800-\udfff]")
+SURROGATE_ERROR = "holds a lone surrogate (a \\ud800-\\udfff escape), which is not valid Unicode"
 
 
 class Passage(NamedTuple):
@@ -52,8 +56,9 @@ def read_passages(path, fields: Mapping[str, str] | None = None) -> Iterator[Pas
       `Passage` records in file order.
 
     Raises:
-      ValueError: naming file, line and field, for a malformed record or non-UTF-8 line (when it
-        is reached), a duplicate id or an empty file (after the last record).
+      ValueError: naming file, line and field, for a malformed record, an empty id, a non-UTF-8
+        line or a truncated `.gz` (when it is reached), a duplicate id or an empty file (after the
+        last record).
     """
     suffixes = [s for s in pathlib.Path(path).suffixes if s != ".gz"]
     if suffixes and suffixes[-1] == ".tsv":
@@ -94,10 +99,23 @@ def _field_names(fields: Mapping[str, str] | None) -> tuple[str, str, str]:
 
 def text_lines(path) -> Iterator[tuple[int, str]]:
     """Yields (1-based line number, line) of a UTF-8 text file (optionally .gz), universal newlines
-    like open(); a line that is not valid UTF-8 is an error naming it."""
+    like open(); a line that is not valid UTF-8, or a `.gz` that is truncated or not gzip, is an
+    error naming the line."""
     raw = gzip.open(path, "rb") if str(path).endswith(".gz") else open(path, "rb")
+    line_no = 0
     with io.TextIOWrapper(raw, encoding="utf-8", errors="surrogateescape", newline=None) as f:
-        for line_no, line in enumerate(f, start=1):
+        lines = iter(f)
+        while True:
+            try:
+                line = next(lines, None)
+            except (EOFError, OSError, zlib.error) as e:  # gzip: truncated, corrupted, not gzip
+                raise ValueError(
+                    f"{path}, line {line_no + 1}: unreadable ({type(e).__name__}: {e}); is the "
+                    "file truncated or corrupted?"
+                ) from None
+            if line is None:
+                return
+            line_no += 1
             if _UNDECODABLE.search(line):
                 raise ValueError(f"{path}, line {line_no}: not valid UTF-8")
             yield line_no, line
@@ -146,6 +164,8 @@ def json_objects(path) -> Iterator[tuple[int, dict]]:
             raise ValueError(
                 f"{path}, line {line_no}: invalid JSON ({e.msg}, column {e.colno})"
             ) from None
+        except (ValueError, RecursionError) as e:  # an integer of > 4300 digits, deep nesting
+            raise ValueError(f"{path}, line {line_no}: unreadable JSON ({e})") from None
         if not isinstance(record, dict):
             raise ValueError(
                 f"{path}, line {line_no}: expected a JSON object, got {type(record).__name__}"
@@ -164,6 +184,8 @@ def _jsonl_records(path, names) -> Iterator[tuple[int, Passage]]:
                     f"{path}, line {line_no}, field '{name}': expected a string, got "
                     f"{type(record[name]).__name__}"
                 )
+            if has_surrogate(record[name]):
+                raise ValueError(f"{path}, line {line_no}, field '{name}': {SURROGATE_ERROR}")
             values.append(record[name])
         yield line_no, Passage(*values)
 
@@ -172,6 +194,8 @@ def _checked(path, records_fn, names) -> Iterator[Passage]:
     """Yields the records of one file, then fails on an empty file or a repeated id."""
     digests = IdDigests()
     for line_no, passage in records_fn(path, names):
+        if not passage.id:
+            raise ValueError(f"{path}, line {line_no}, field '{names[0]}': empty id")
         digests.add(passage.id, line_no)
         yield passage
     if not len(digests):
@@ -295,12 +319,25 @@ def update_checksum(checksum, passage: Passage) -> None:
 
 
 def check_record(record: Any, index: int) -> Passage:
-    """A `Passage` from a record of any iterable; `ValueError` naming `index` and field if bad."""
+    """A `Passage` from a record of any iterable; `ValueError` naming `index` and field if bad
+    (not a string, not encodable as UTF-8, or an empty id)."""
     if not isinstance(record, Sequence) or isinstance(record, str) or len(record) != 3:
-        raise ValueError(f"record {index}: expected a Passage (id, title, text), got {record!r}")
+        raise ValueError(
+            f"record {index}: expected a Passage (id, title, text), got {record!r:.80}"
+        )
     for field, value in zip(FIELDS, record, strict=True):
         if not isinstance(value, str):
             raise ValueError(
                 f"record {index}, field '{field}': expected a string, got {type(value).__name__}"
             )
+        if has_surrogate(value):
+            raise ValueError(f"record {index}, field '{field}': {SURROGATE_ERROR}")
+    if not record[0]:
+        raise ValueError(f"record {index}, field 'id': empty id")
     return Passage(*record)
+
+
+def has_surrogate(text: str) -> bool:
+    """Whether `text` holds a lone surrogate (a JSON `"\\ud800"` escape), which is no Unicode
+    character: UTF-8 cannot encode it and tokenizers fail on it."""
+    return bool(_SURROGATE.search(text))

@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from rag_jax.corpus import json_objects, text_lines
+from rag_jax.corpus import SURROGATE_ERROR, has_surrogate, json_objects, text_lines
 
 FIELDS = ("question", "answers", "id", "gold_ids")
 # Field mappings for the two QA files in `../shared/data` (see their READMEs).
@@ -202,11 +202,12 @@ def _list_cell(cell: str, where: str) -> Any:
         return []
     try:
         return json.loads(cell)
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):  # not JSON, an integer of > 4300 digits, deep nesting
         pass
     try:
         return ast.literal_eval(cell)
-    except (ValueError, SyntaxError):
+    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+        # TypeError: e.g. `{[1]: 2}`, a set of unhashable values.
         raise ValueError(
             f"{where}: expected a JSON array or Python list of strings, got {cell!r:.80}"
         ) from None
@@ -241,7 +242,9 @@ def _example(values: Mapping[str, Any], where_fn) -> Example:
     """An `Example` from raw values; `where_fn(field)` prefixes errors with the location."""
     question = values["question"]
     if not isinstance(question, str) or not question.strip():
-        raise ValueError(f"{where_fn('question')}: expected a non-empty string, got {question!r}")
+        raise ValueError(
+            f"{where_fn('question')}: expected a non-empty string, got {question!r:.80}"
+        )
     answers = values["answers"]
     if not isinstance(answers, list) or not answers:
         raise ValueError(
@@ -250,13 +253,14 @@ def _example(values: Mapping[str, Any], where_fn) -> Example:
     for answer in answers:
         if not isinstance(answer, str) or not answer.strip():
             raise ValueError(
-                f"{where_fn('answers')}: expected non-empty strings, got {answer!r} in {answers!r}"
+                f"{where_fn('answers')}: expected non-empty strings, got {answer!r:.80} in "
+                f"{answers!r:.80}"
             )
     example_id = values["id"]
     if isinstance(example_id, int) and not isinstance(example_id, bool):
         example_id = str(example_id)
     if not isinstance(example_id, str) or not example_id:
-        raise ValueError(f"{where_fn('id')}: expected a non-empty string, got {example_id!r}")
+        raise ValueError(f"{where_fn('id')}: expected a non-empty string, got {example_id!r:.80}")
     gold_ids = values["gold_ids"]
     gold_ids = [gold_ids] if isinstance(gold_ids, str) else gold_ids
     if not isinstance(gold_ids, list) or not all(isinstance(g, str) and g for g in gold_ids):
@@ -264,6 +268,14 @@ def _example(values: Mapping[str, Any], where_fn) -> Example:
             f"{where_fn('gold_ids')}: expected a string or a list of non-empty strings, got "
             f"{values['gold_ids']!r:.80}"
         )
+    for field, strings in (
+        ("question", [question]),
+        ("answers", answers),
+        ("id", [example_id]),
+        ("gold_ids", gold_ids),
+    ):
+        if any(has_surrogate(text) for text in strings):
+            raise ValueError(f"{where_fn(field)}: {SURROGATE_ERROR}")
     return Example(question, tuple(answers), example_id, tuple(gold_ids))
 
 
@@ -394,6 +406,55 @@ def _tfds_values(base: str, record: Mapping[str, Any], default_id: str, where: s
         values["answers"] = list(dict.fromkeys([value, *aliases]))
         values["id"] = _text(record["question_id"])
     return values
+
+
+# ---------------------------------------------------------------------------------------------
+# Held-out splits
+
+
+def split_by_title(
+    examples: Sequence[Example], titles: Mapping[str, str], eval_fraction: float, seed: int
+) -> tuple[list[Example], list[Example]]:
+    """Splits QA examples by the title (article) of their gold passage: no article in both.
+
+    Questions about one article share its facts and phrasing, so a random question split would
+    leak them into evaluation; holding out whole articles tests reading what was never trained on.
+    Articles are held out with `np.random.default_rng(seed)`, a fixed function of the seed.
+
+    Args:
+      examples: examples with gold passage ids (SQuAD's `gold_passage_id`), in file order.
+      titles: passage id -> title, for every gold id.
+      eval_fraction: the fraction of articles held out, in (0, 1); at least one article goes to
+        each side.
+      seed: the data seed.
+
+    Returns:
+      (train, eval) examples, each in the input order.
+    """
+    if not 0.0 < eval_fraction < 1.0:
+        raise ValueError(f"eval_fraction must be in (0, 1), got {eval_fraction}")
+    article = {}
+    for e in examples:
+        if not e.gold_ids:
+            raise ValueError(
+                f"example {e.id!r} has no gold passage id; splitting by article needs one"
+            )
+        missing = [g for g in e.gold_ids if g not in titles]
+        if missing:
+            raise ValueError(f"example {e.id!r}: gold passage {missing[0]!r} is not in the corpus")
+        found = {titles[g] for g in e.gold_ids}
+        if len(found) != 1:
+            raise ValueError(f"example {e.id!r}: gold passages from several articles {found}")
+        article[e.id] = found.pop()
+    names = sorted(set(article.values()))
+    if len(names) < 2:
+        raise ValueError(f"splitting by article needs >= 2 articles, got {names}")
+    held = min(len(names) - 1, max(1, round(len(names) * eval_fraction)))
+    order = np.random.default_rng(seed).permutation(len(names))
+    eval_titles = {names[i] for i in order[:held]}
+    train = [e for e in examples if article[e.id] not in eval_titles]
+    evals = [e for e in examples if article[e.id] in eval_titles]
+    return train, evals
 
 
 # ---------------------------------------------------------------------------------------------

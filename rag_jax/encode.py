@@ -338,8 +338,11 @@ def _dispatch(cfg, params, token_ids, setup: _Setup, first_row: int = 0):
         for slot, row in enumerate(rows):
             input_ids[slot, : lengths[row]] = token_ids[row]
             attention_mask[slot, : lengths[row]] = 1
-        # Padding rows (all-masked) get a uniform attention and are dropped in _collect.
-        pending.append((rows, encode_fn(params, input_ids, attention_mask)))
+        # Padding rows (all-masked) get a uniform attention and are dropped in _collect. Placed
+        # explicitly: on a multi-process run jit refuses numpy inputs with a non-trivial
+        # sharding, even over this process's own devices.
+        inputs = jax.device_put((input_ids, attention_mask), NamedSharding(setup.mesh, P("data")))
+        pending.append((rows, encode_fn(params, *inputs)))
     return pending
 
 

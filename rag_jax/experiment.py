@@ -11,12 +11,26 @@ Model sources (`config.model.init`):
   `generator_path` or random with `config.model.generator` sizes;
 - "hf_rag": a full HF RAG checkpoint at `rag_path` (its question encoder also encodes passages
   unless `passage_encoder_path` is given).
+
+Questions from files (`config.data.source = "files"`): `eval_path` holds the held-out questions;
+when it is empty, whole articles of `train_path` are held out instead (`data.split_by_title`, a
+fraction `eval_fraction` of the gold passages' titles), so no article is in both splits.
+
+Passages: by default `config.data.corpus_path` is stored, encoded with the passage encoder and
+indexed in the workdir. `config.retrieval.index_dir` names a folder written by
+`experiments/build_index.py` instead (a 21M-passage index is built once, not per run); its store,
+vectors and index are used as they are, after checking that they were encoded by this run's
+passage encoder (parameter fingerprint) from the same corpus (checksum).
 """
 
 import dataclasses
+import hashlib
+import json
+import os
 import pathlib
 from typing import Any
 
+import flax.serialization
 import jax
 import ml_collections
 import numpy as np
@@ -25,7 +39,7 @@ from rag_jax import bart, bert, data, encode, hf, rag, synthetic, warm_start
 from rag_jax.corpus import Passage, read_passages
 from rag_jax.index import ExactIndex, ScannIndex
 from rag_jax.passage_store import PassageStore
-from rag_jax.retriever import Retriever
+from rag_jax.retriever import ClosedBook, Retriever
 
 
 @dataclasses.dataclass
@@ -41,11 +55,11 @@ class Experiment:
     train: list[data.Example]
     eval: list[data.Example]
     store: PassageStore
-    retriever: Retriever
+    retriever: Retriever | ClosedBook  # ClosedBook: config.rag.closed_book
     world: synthetic.World | None = None
 
 
-def _examples_from_world(world: synthetic.World, split: str) -> list[data.Example]:
+def examples_from_world(world: synthetic.World, split: str) -> list[data.Example]:
     return [
         data.Example(q["question"], tuple(q["answers"]), q["id"], tuple(q["gold_ids"]))
         for q in world.questions(split)
@@ -66,25 +80,34 @@ def _load_data(config):
         )
         passages = [Passage(p.id, p.title, p.text) for p in world.passages]
         return (
-            _examples_from_world(world, "train"),
-            _examples_from_world(world, "eval"),
+            examples_from_world(world, "train"),
+            examples_from_world(world, "eval"),
             passages,
             world,
         )
     fields = dict(d.get("fields", None) or {}) or None
+    if d.source not in ("files", "tfds"):
+        raise ValueError(f"config.data.source must be synthetic, files or tfds, got {d.source!r}")
+    # With a prebuilt index (`config.retrieval.index_dir`) the passages come from its store.
+    passages = None if config.retrieval.get("index_dir") else read_passages(d.corpus_path)
     if d.source == "files":
         train = data.read_examples(d.train_path, fields)
-        evals = data.read_examples(d.eval_path, fields)
-    elif d.source == "tfds":
+        if d.get("eval_path"):
+            evals = data.read_examples(d.eval_path, fields)
+        elif passages is None:
+            raise ValueError("config.data.eval_path is empty: splitting by article needs passages")
+        else:  # hold out whole articles of train_path: the titles of their gold passages
+            passages = list(passages)  # an iterator; used here and by the store
+            titles = {p.id: p.title for p in passages}
+            train, evals = data.split_by_title(train, titles, d.eval_fraction, config.seed)
+    else:
         train = data.read_tfds(d.tfds_name, d.train_split, d.get("tfds_data_dir", None))
         evals = data.read_tfds(d.tfds_name, d.eval_split, d.get("tfds_data_dir", None))
-    else:
-        raise ValueError(f"config.data.source must be synthetic, files or tfds, got {d.source!r}")
     if d.get("max_train", 0):
         train = train[: d.max_train]
     if d.get("max_eval", 0):
         evals = evals[: d.max_eval]
-    return train, evals, read_passages(d.corpus_path), None
+    return train, evals, passages, None
 
 
 def _tokenizers(config, world):
@@ -193,7 +216,11 @@ def build_store(passages, tokenizer, directory: pathlib.Path, rag_cfg: rag.RagCo
 
 
 def encode_store(store, passage_cfg, passage_params, tokenizer, config) -> np.ndarray:
-    """[C, D] float32 vectors of every passage in the store."""
+    """[C, D] float32 vectors of every passage in the store.
+
+    Encoded on this process's devices: on several hosts each one builds its own replica of the
+    host index (the encoder's default mesh refuses to span processes).
+    """
     return encode.encode_passages(
         passage_cfg,
         passage_params,
@@ -204,6 +231,7 @@ def encode_store(store, passage_cfg, passage_params, tokenizer, config) -> np.nd
         input_format=config.retrieval.passage_format,
         batch_size=config.retrieval.encode_batch_size,
         dtype="float32",
+        mesh=jax.sharding.Mesh(np.array(jax.local_devices()), ("data",)),
     )
 
 
@@ -236,6 +264,48 @@ def _ict(config, rag_cfg, p_cfg, params, tokenizer, store) -> dict:
     return dict(params, question_encoder=q_params, passage_encoder=p_params)
 
 
+def _cached_ict(config, rag_cfg, p_cfg, params, tokenizer, store, workdir) -> dict:
+    """`_ict`, cached in `<warm_start.cache_dir or workdir>/warm_start/<fingerprint>.msgpack`.
+
+    The warm start is a deterministic function of the seed, the corpus, the towers' initial
+    parameters and the warm-start settings; the fingerprint covers all of them, so a resume (or
+    another run sharing `cache_dir`) reuses it and any change recomputes it.
+    """
+    towers = {k: params[k] for k in ("question_encoder", "passage_encoder")}
+    key = json.dumps(
+        {
+            "warm_start": config.warm_start.to_dict(),
+            "retrieval": {
+                k: config.retrieval.get(k) for k in ("passage_max_length", "passage_format")
+            },
+            "question_length": config.data.question_length,
+            "seed": config.seed,
+            "corpus": store.checksum,
+            "question_encoder": encode.encoder_fingerprint(p_cfg, towers["question_encoder"]),
+            "passage_encoder": encode.encoder_fingerprint(p_cfg, towers["passage_encoder"]),
+        },
+        sort_keys=True,
+    )
+    fingerprint = hashlib.sha256(key.encode()).hexdigest()[:16]
+    directory = pathlib.Path(config.warm_start.get("cache_dir", "") or workdir) / "warm_start"
+    path = directory / f"{fingerprint}.msgpack"
+    if path.is_file():
+        try:
+            cached = flax.serialization.from_bytes(jax.device_get(towers), path.read_bytes())
+        except Exception as e:  # msgpack/structure errors name neither the file nor the cause
+            raise ValueError(f"{path}: corrupt warm-start cache ({e}); delete it") from e
+        print(f"ICT warm start: reusing {path}", flush=True)
+        return dict(params, **cached)
+    params = _ict(config, rag_cfg, p_cfg, params, tokenizer, store)
+    if jax.process_index() == 0:
+        directory.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        towers = {k: jax.device_get(params[k]) for k in towers}
+        tmp.write_bytes(flax.serialization.to_bytes(towers))
+        os.replace(tmp, path)  # readers never see a half-written cache
+    return params
+
+
 def make_index(vectors: np.ndarray, kind: str):
     if kind == "exact":
         return ExactIndex(vectors)
@@ -244,8 +314,32 @@ def make_index(vectors: np.ndarray, kind: str):
     raise ValueError(f"config.retrieval.index must be 'exact' or 'scann', got {kind!r}")
 
 
+def load_index_dir(directory, store: PassageStore, passage_cfg, passage_params):
+    """(index, [C, D] vectors) written by `experiments/build_index.py` into `directory`.
+
+    Both are checked against this run's passage encoder (parameter fingerprint) and the store's
+    corpus checksum, so an index encoded by another encoder or from another corpus is refused.
+    """
+    from rag_jax import index as index_lib
+    from rag_jax.vector_files import load_vectors
+
+    directory = pathlib.Path(directory)
+    expect = {
+        "encoder_fingerprint": encode.encoder_fingerprint(passage_cfg, passage_params),
+        "corpus_checksum": store.checksum,
+    }
+    ix = index_lib.load(str(directory / "index"), expect)
+    if isinstance(ix, ExactIndex):
+        return ix, ix.vectors  # one copy of the vectors, not two
+    return ix, load_vectors(directory / "vectors", expect)
+
+
 def build(config: ml_collections.ConfigDict, workdir) -> Experiment:
     """Builds the experiment described by `config`, caching the passage store in `workdir`."""
+    if config.rag.get("closed_book", False) and config.rag.n_docs != 1:
+        raise ValueError(
+            f"config.rag.closed_book needs config.rag.n_docs=1, got {config.rag.n_docs}"
+        )
     workdir = pathlib.Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     train, evals, passages, world = _load_data(config)
@@ -254,9 +348,13 @@ def build(config: ml_collections.ConfigDict, workdir) -> Experiment:
     q_tok, g_tok = _tokenizers(config, world)
     model_rng = jax.random.fold_in(jax.random.PRNGKey(config.seed), 0)
     rag_cfg, p_cfg, params = _models(config, q_tok, g_tok, model_rng)
-    store = build_store(passages, g_tok, workdir / "passages", rag_cfg)
+    index_dir = config.retrieval.get("index_dir")
+    if index_dir:
+        store = PassageStore.open(pathlib.Path(index_dir) / "passages")
+    else:
+        store = build_store(passages, g_tok, workdir / "passages", rag_cfg)
     if config.warm_start.method == "ict":
-        params = _ict(config, rag_cfg, p_cfg, params, q_tok, store)
+        params = _cached_ict(config, rag_cfg, p_cfg, params, q_tok, store, workdir)
     elif config.warm_start.method != "none":
         raise ValueError(
             f"config.warm_start.method must be none or ict: {config.warm_start.method!r}"
@@ -266,14 +364,22 @@ def build(config: ml_collections.ConfigDict, workdir) -> Experiment:
             f"config.rag.n_docs={rag_cfg.n_docs} exceeds the corpus size {len(store)}; use at "
             f"most {len(store)}"
         )
-    vectors = encode_store(store, p_cfg, params["passage_encoder"], q_tok, config)
+    if index_dir:
+        ix, vectors = load_index_dir(index_dir, store, p_cfg, params["passage_encoder"])
+    else:
+        vectors = encode_store(store, p_cfg, params["passage_encoder"], q_tok, config)
+        ix = make_index(vectors, config.retrieval.index)
     retriever = Retriever(
-        make_index(vectors, config.retrieval.index),
+        ix,
         store,
         vectors,
         n_docs=rag_cfg.n_docs,
         max_combined_length=rag_cfg.max_combined_length,
     )
+    if config.rag.get("closed_book", False):
+        retriever = ClosedBook(
+            g_tok, vectors.shape[1], max_combined_length=rag_cfg.max_combined_length
+        )
     return Experiment(
         config, rag_cfg, p_cfg, params, q_tok, g_tok, train, evals, store, retriever, world
     )

@@ -36,6 +36,7 @@ For a `DeviceIndex` passed as an argument of the jitted step, a new index of the
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import math
@@ -47,6 +48,7 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -590,6 +592,15 @@ class DeviceIndex(Index):
     On CPU (float32 matmuls, exact top-k) results equal `ExactIndex`, ties included. On TPU the
     DEFAULT matmul precision is bfloat16 and approx_max_k misses some neighbours (recall_target);
     pass `precision=jax.lax.Precision.HIGHEST` for float32 scores.
+
+    Multi-host: the mesh may span every device of every process (`sharding.data_mesh()` after
+    `sharding.maybe_initialize_distributed()`), so a corpus too large for one host's
+    accelerators is split over the whole pod. Every process constructs the index with the same
+    `vectors` (a `np.memmap` of the vectors file keeps the corpus out of host memory: each
+    process copies only the rows of its own devices' shards) and the same mesh, and every search
+    is one collective program that all processes run together: in a jitted step, pass the global
+    question batch (e.g. sharded over `data`); with numpy queries, every process must pass the
+    same queries (checked) and gets the same results.
     """
 
     kind = "exact"  # on disk it is an exact index: the same vectors file and manifest
@@ -609,7 +620,10 @@ class DeviceIndex(Index):
     ):
         """Args:
         vectors: [C, D] passage vectors on the host (see `check_vectors`); storage dtype kept.
-        mesh: device mesh; vectors are sharded over `axis`, replicated over the others.
+          On several processes each process passes the same vectors and places only the rows of
+          its own devices.
+        mesh: device mesh, possibly spanning processes; vectors are sharded over `axis`,
+          replicated over the others.
         axis: mesh axis to shard the corpus over.
         recall_target: per-shard `lax.approx_max_k` recall target. None: 0.95 on TPU, and an
           exact `lax.top_k` elsewhere, where approx_max_k is also exact but leaves the order of
@@ -623,8 +637,18 @@ class DeviceIndex(Index):
             raise ValueError(f"mesh has axes {tuple(mesh.shape)}, not {axis!r}")
         count, dim = vectors.shape
         padded = -(-count // mesh.shape[axis]) * mesh.shape[axis]
-        vectors = np.concatenate([vectors, np.zeros((padded - count, dim), vectors.dtype)])
-        self.vectors = jax.device_put(vectors, NamedSharding(mesh, P(axis, None)))  # [C', D]
+
+        def rows(index):  # One device's shard: rows [start, stop) of the padded [C', D].
+            start, stop, _ = index[0].indices(padded)
+            shard = vectors[min(start, count) : min(stop, count)]
+            pad = np.zeros((stop - start - len(shard), dim), vectors.dtype)
+            return np.concatenate([shard, pad]) if len(pad) else shard
+
+        # Built from each device's rows (not `device_put` of the whole array) so that no padded
+        # copy of the corpus is made and, on a pod, each process copies only its own shards.
+        self.vectors = jax.make_array_from_callback(
+            (padded, dim), NamedSharding(mesh, P(axis, None)), rows
+        )  # -> [C', D]
         self.count, self.dim, self.mesh, self.axis = count, dim, mesh, axis
         if recall_target is None and mesh.devices.flat[0].platform == "tpu":
             recall_target = 0.95
@@ -661,7 +685,16 @@ class DeviceIndex(Index):
         """
         k = self._check_k(k)
         if not isinstance(queries, jax.Array):
-            queries = jax.device_put(self._check_queries(queries), NamedSharding(self.mesh, P()))
+            queries = self._check_queries(queries)
+            if not self.vectors.is_fully_addressable:
+                # Replicated placement assumes equal values everywhere; a process with other
+                # queries would silently get answers to some other process's questions.
+                multihost_utils.assert_equal(
+                    queries,
+                    "DeviceIndex.search with numpy queries on several processes needs "
+                    "the same queries on every process",
+                )
+            queries = jax.device_put(queries, NamedSharding(self.mesh, P()))
             scores, ids = self.search(queries, k)
             return np.asarray(scores), np.asarray(ids).astype(np.int64)
         _check_query_shape(queries.shape, self.count, self.dim)
@@ -671,9 +704,16 @@ class DeviceIndex(Index):
     def save(self, directory: str) -> None:
         """Writes the unpadded vectors as an exact index (readable by `ExactIndex.load` too).
 
-        The vectors are fetched to this host, so they must be fully addressable from it.
+        The vectors are fetched to the host. On several processes every process must call this
+        (the shards are gathered from all of them) and process 0 alone writes, so `directory`
+        should be storage that the processes share.
         """
-        _save_vectors(self, np.asarray(self.vectors)[: self.count], directory)
+        if self.vectors.is_fully_addressable:
+            vectors = np.asarray(jax.device_get(self.vectors))
+        else:
+            vectors = multihost_utils.process_allgather(self.vectors, tiled=True)
+        if jax.process_index() == 0:
+            _save_vectors(self, vectors[: self.count], directory)
 
     @classmethod
     def load(
@@ -731,7 +771,8 @@ def _check_file(path: str, record: dict, verify: bool) -> None:
 def _write_dir(directory, write_fn, manifest: dict) -> None:
     """Writes an index folder beside `directory`, then swaps it in: readers never see half of one.
 
-    `write_fn(tmp)` writes the data files; their sizes and hashes go into the manifest.
+    `write_fn(tmp)` writes the data files; their sizes and hashes go into the manifest. A full
+    disk is an `OSError` (`errno.ENOSPC`) that says so; the previous index stays in place.
     """
     directory = os.path.abspath(directory)
     if os.path.isdir(directory) and os.listdir(directory):
@@ -749,9 +790,16 @@ def _write_dir(directory, write_fn, manifest: dict) -> None:
         if os.path.exists(directory):
             os.rename(directory, os.path.join(old, name))
         os.rename(tmp, directory)
-    except BaseException:
+    except BaseException as e:
         if not os.path.exists(directory) and os.path.exists(os.path.join(old, name)):
             os.rename(os.path.join(old, name), directory)  # put the previous index back
+        if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+            kept = "; the previous index there is intact" if os.path.exists(directory) else ""
+            raise OSError(
+                errno.ENOSPC,
+                f"disk full while writing the index {directory} ({e}){kept}; free space and "
+                "save again",
+            ) from e
         raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

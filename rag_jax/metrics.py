@@ -37,6 +37,8 @@ _ARTICLES = re.compile(r"\b(a|an|the)\b")
 
 def normalize_answer(text: str) -> str:
     """SQuAD v1.1 answer normalisation (see the module docstring for the exact steps)."""
+    if not isinstance(text, str):
+        raise TypeError(f"expected a string to normalise, got {type(text).__name__}: {text!r:.80}")
     text = text.lower().translate(_PUNCTUATION)
     return " ".join(_ARTICLES.sub(" ", text).split())
 
@@ -112,6 +114,10 @@ def qa_metrics(predictions: Sequence[str], answers: Sequence[Sequence[str]], mas
     em_sum = f1_sum = 0.0
     rows = _rows(mask, len(predictions))
     for row in rows:
+        if not isinstance(predictions[row], str):
+            raise TypeError(
+                f"predictions[{row}] must be a string, got {type(predictions[row]).__name__}"
+            )
         try:
             em_sum += exact_match(predictions[row], answers[row])
             f1_sum += f1(predictions[row], answers[row])
@@ -172,8 +178,11 @@ def answer_recall(
         raise ValueError(f"answers has {len(answers)} entries but passages has {len(passages)}")
     docs = len(passages[0]) if len(passages) else 0
     for row, texts in enumerate(passages):
-        if isinstance(texts, str) or len(texts) != docs:
+        if isinstance(texts, str) or not hasattr(texts, "__len__") or len(texts) != docs:
             raise ValueError(f"passages[{row}] must be a list of N={docs} texts, got {texts!r:.80}")
+        for n, text in enumerate(texts):
+            if not isinstance(text, str):
+                raise TypeError(f"passages[{row}][{n}] must be a string, got {type(text).__name__}")
     _check_ks(ks, docs)
     rows = _rows(mask, len(answers))
     first_hits = []  # rank of the first passage holding an answer; N when none does
@@ -215,9 +224,12 @@ def gold_recall(
     _check_ks(ks, retrieved_ids.shape[1])
     first_hits = []  # as in answer_recall, over the questions that have gold ids
     for row in _rows(mask, len(gold_ids)):
-        if isinstance(gold_ids[row], str):
+        if isinstance(gold_ids[row], (str, bytes)) or not isinstance(
+            gold_ids[row], (Sequence, set, frozenset, np.ndarray)
+        ):
+            got = "the string " if isinstance(gold_ids[row], str) else ""
             raise TypeError(
-                f"gold_ids[{row}] must be a list of ids, got the string {gold_ids[row]!r}"
+                f"gold_ids[{row}] must be a list of ids, got {got}{gold_ids[row]!r:.80}"
             )
         gold = set(gold_ids[row])
         if gold:

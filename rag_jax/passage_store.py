@@ -30,6 +30,7 @@ a probe against whole-string tokenisation). Truncation acts on tokens: HF keeps 
 """
 
 import array
+import errno
 import hashlib
 import itertools
 import json
@@ -44,6 +45,7 @@ from rag_jax.corpus import IdDigests, Passage, check_record, update_checksum
 FORMAT = "rag_jax.passage_store"
 VERSION = 1
 _COLUMNS = (("tokens", "<i4"), ("ids", "u1"), ("titles", "u1"), ("texts", "u1"))
+_IO_BLOCK = 16 << 20  # bytes per hashing step: bounded memory for any size
 
 
 def context_string(
@@ -147,9 +149,10 @@ def _check_tokenizer(tokenizer, pieces: list[str], sep_head: str, sep_tail: str)
 class StringColumn(Sequence):
     """Read-only sequence of strings: memory-mapped UTF-8 bytes and `[C + 1] int64` offsets."""
 
-    def __init__(self, data: np.ndarray, offsets: np.ndarray):
+    def __init__(self, data: np.ndarray, offsets: np.ndarray, path=None):
         self._data = data
         self._offsets = offsets
+        self._path = path  # the bytes' file, for errors
 
     def __len__(self) -> int:
         return len(self._offsets) - 1
@@ -161,7 +164,12 @@ class StringColumn(Sequence):
         if not -len(self) <= i < len(self):
             raise IndexError(f"index {i} out of range for {len(self)} strings")
         i %= len(self)
-        return self._data[self._offsets[i] : self._offsets[i + 1]].tobytes().decode("utf-8")
+        try:
+            return self._data[self._offsets[i] : self._offsets[i + 1]].tobytes().decode("utf-8")
+        except UnicodeDecodeError as e:  # only reachable when opened with verify=False
+            raise ValueError(
+                f"{self._path}: string {i} is not valid UTF-8 ({e}); corrupted?"
+            ) from None
 
 
 class _ColumnWriter:
@@ -171,27 +179,32 @@ class _ColumnWriter:
         self.name, self.dtype = name, np.dtype(dtype)
         self.paths = [directory / f"{name}.bin", directory / f"{name}.offsets.bin"]
         self._data, self._offsets = (open(p, "xb") for p in self.paths)
+        self._hashes = [hashlib.sha256(), hashlib.sha256()]
         self._pending = array.array("q", [0])
         self._end = 0
 
     def append(self, data: bytes) -> None:
         self._data.write(data)
+        self._hashes[0].update(data)
         self._end += len(data) // self.dtype.itemsize
         self._pending.append(self._end)
         if len(self._pending) >= 1 << 16:
             self._flush()
 
     def _flush(self) -> None:
-        self._offsets.write(np.frombuffer(self._pending, np.int64).astype("<i8").tobytes())
+        data = np.frombuffer(self._pending, np.int64).astype("<i8").tobytes()
+        self._offsets.write(data)
+        self._hashes[1].update(data)
         del self._pending[:]
 
     def close(self, count: int) -> dict:
         self._flush()
         self._data.close()
         self._offsets.close()
+        data_sha, offsets_sha = (h.hexdigest() for h in self._hashes)
         return {
-            self.paths[0].name: {"dtype": self.dtype.str, "length": self._end},
-            self.paths[1].name: {"dtype": "<i8", "length": count + 1},
+            self.paths[0].name: {"dtype": self.dtype.str, "length": self._end, "sha256": data_sha},
+            self.paths[1].name: {"dtype": "<i8", "length": count + 1, "sha256": offsets_sha},
         }
 
     def abort(self) -> None:
@@ -207,7 +220,7 @@ class PassageStore:
     `[C + 1] int64` (passage pieces, see the module docstring); `ids.bin`, `titles.bin`, `texts.bin`
     UTF-8 bytes with their `*.offsets.bin` `[C + 1] int64`. The manifest records the count, the
     corpus checksum (`corpus_checksum`), the tokenizer fingerprint, prefix and separators, the
-    special-token layout and the length of every file, all checked by `open`.
+    special-token layout and the length and sha256 of every file, all checked by `open`.
     """
 
     def __init__(self, directory: pathlib.Path, manifest: dict, arrays: dict[str, np.ndarray]):
@@ -215,9 +228,10 @@ class PassageStore:
         self.manifest = manifest
         self._tokens = arrays["tokens.bin"]
         self._token_offsets = arrays["tokens.offsets.bin"]
-        self.ids = StringColumn(arrays["ids.bin"], arrays["ids.offsets.bin"])
-        self._titles = StringColumn(arrays["titles.bin"], arrays["titles.offsets.bin"])
-        self._texts = StringColumn(arrays["texts.bin"], arrays["texts.offsets.bin"])
+        self.ids, self._titles, self._texts = (
+            StringColumn(arrays[f"{name}.bin"], arrays[f"{name}.offsets.bin"], directory / name)
+            for name in ("ids", "titles", "texts")
+        )
         self._prefix_ids = np.asarray(manifest["prefix_ids"], np.int32)
         self._suffix_ids = np.asarray(manifest["suffix_ids"], np.int32)
 
@@ -237,7 +251,8 @@ class PassageStore:
         Args:
           records: `Passage` records (or `(id, title, text)` string triples), e.g. a reader.
           tokenizer: the generator tokenizer (HF, e.g. BART's byte-level BPE).
-          out_dir: a new or empty directory.
+          out_dir: a new or empty directory (or the leftovers of a build that was killed: store
+            files without a manifest, which are deleted).
           prefix: the generator's input prefix (HF `generator.prefix`; none for BART).
           title_sep, doc_sep: HF `RagConfig.title_sep` / `doc_sep`.
           batch_size: records tokenised per tokenizer call.
@@ -246,9 +261,15 @@ class PassageStore:
           ValueError: a bad record (naming its index and field), a duplicate id, an empty corpus,
             a non-empty `out_dir`, or a tokenizer/`doc_sep` for which contexts cannot be assembled
             exactly. Nothing is left in `out_dir` then.
+          OSError: `errno.ENOSPC` saying the disk is full (nothing is left in `out_dir` either).
         """
         sep_head, sep_tail = _split_doc_sep(doc_sep)
         out_dir = pathlib.Path(out_dir)
+        ours = {f"{name}{end}" for name, _ in _COLUMNS for end in (".bin", ".offsets.bin")}
+        if out_dir.is_dir() and not (out_dir / "manifest.json").exists():
+            leftovers = [p for p in out_dir.iterdir() if p.name in ours | {"manifest.json.tmp"}]
+            for path in leftovers:  # a build that was killed before its manifest was written
+                path.unlink()
         if out_dir.exists() and any(out_dir.iterdir()):
             raise ValueError(f"{out_dir}: not empty; a passage store is built into a new directory")
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -302,16 +323,32 @@ class PassageStore:
             staging = out_dir / "manifest.json.tmp"
             staging.write_text(json.dumps(manifest, indent=1, ensure_ascii=False) + "\n", "utf-8")
             staging.replace(out_dir / "manifest.json")
-        except BaseException:
+        except BaseException as e:
             for writer in writers:
                 writer.abort()
             out_dir.joinpath("manifest.json.tmp").unlink(missing_ok=True)
+            if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+                raise OSError(
+                    errno.ENOSPC,
+                    f"disk full while building the passage store in {out_dir} ({e}); its "
+                    "partial files were removed: free space and build it again",
+                ) from e
             raise
         return cls.open(out_dir)
 
     @classmethod
-    def open(cls, directory) -> "PassageStore":
-        """Memory-maps a store written by `build`; a missing or truncated file raises naming it."""
+    def open(cls, directory, *, verify: bool = True) -> "PassageStore":
+        """Memory-maps a store written by `build`, checking it against its manifest.
+
+        Args:
+          directory: written by `build`.
+          verify: also check every file's sha256 (sizes and offsets are always checked); this
+            reads the whole store once.
+
+        Raises:
+          FileNotFoundError / ValueError naming the file that is missing, truncated, corrupted
+          or inconsistent with the manifest.
+        """
         directory = pathlib.Path(directory)
         path = directory / "manifest.json"
         if not path.is_file():
@@ -325,11 +362,19 @@ class PassageStore:
         names = {f"{name}{suffix}" for name, _ in _COLUMNS for suffix in (".bin", ".offsets.bin")}
         if set(manifest.get("files", {})) != names:
             raise ValueError(f"{path}: files {sorted(manifest.get('files', {}))}, expected {names}")
-        arrays = cls._map_all(directory, manifest["files"])
+        try:
+            arrays = cls._map_all(directory, manifest["files"])
+        except (KeyError, TypeError) as e:
+            raise ValueError(f"{path}: malformed file records ({type(e).__name__}: {e})") from None
+        if verify:
+            for name, spec in manifest["files"].items():
+                _check_sha256(directory / name, spec.get("sha256"), path)
         for name, _ in _COLUMNS:
             data, offsets = arrays[f"{name}.bin"], arrays[f"{name}.offsets.bin"]
             if len(offsets) != manifest["count"] + 1 or offsets[0] != 0 or offsets[-1] != len(data):
                 raise ValueError(f"{directory / name}.offsets.bin: offsets do not match {name}.bin")
+            if np.any(np.diff(offsets) < 0):
+                raise ValueError(f"{directory / name}.offsets.bin: offsets decrease (corrupted)")
         return cls(directory, manifest, arrays)
 
     @staticmethod
@@ -452,6 +497,19 @@ class PassageStore:
             input_ids[row, q_end : q_end + n_suffix] = self._suffix_ids
             attention_mask[row, : q_end + n_suffix] = 1
         return input_ids, attention_mask
+
+
+def _check_sha256(path: pathlib.Path, expected: str | None, manifest: pathlib.Path) -> None:
+    """Raises naming `path` when its sha256 is not `expected` (stores built before sha256s were
+    recorded have none, and are checked by size and offsets only)."""
+    if expected is None:
+        return
+    sha = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(_IO_BLOCK):
+            sha.update(block)
+    if sha.hexdigest() != expected:
+        raise ValueError(f"{path}: corrupted: its sha256 differs from the one in {manifest}")
 
 
 def _question_rows(question_token_ids, question_mask) -> list[np.ndarray]:

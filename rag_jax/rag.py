@@ -115,6 +115,37 @@ def question_embeddings(
     return q
 
 
+def passage_embeddings(
+    passage_cfg: bert.BertConfig,
+    params: dict,
+    input_ids: jax.Array,
+    attention_mask: jax.Array,
+    dropout_rng: jax.Array | None = None,
+) -> jax.Array:
+    """The passage encoder's retrieval vectors (as the index stores them), differentiable.
+
+    Args:
+      passage_cfg: the passage encoder's config.
+      params: RAG parameters with "passage_encoder".
+      input_ids: [M, P] passage tokens (passage-encoder tokenizer, `encode.tokenize_passages`).
+      attention_mask: [M, P].
+      dropout_rng: enables dropout when given.
+
+    Returns:
+      [M, D] float32.
+    """
+    rngs = {} if dropout_rng is None else {"dropout": dropout_rng}
+    d, _ = bert.BertEncoder(passage_cfg).apply(
+        {"params": params["passage_encoder"]},
+        input_ids,
+        attention_mask,
+        None,
+        dropout_rng is None,
+        rngs=rngs,
+    )
+    return d
+
+
 def _check_contexts(context_input_ids, context_attention_mask, doc_scores, n_docs):
     if context_input_ids.ndim != 2 or context_attention_mask.shape != context_input_ids.shape:
         raise ValueError(
@@ -244,6 +275,7 @@ def loss_fn(
     batch: dict[str, jax.Array],
     variant: str = "sequence",
     dropout_rng: jax.Array | None = None,
+    passage_cfg: bert.BertConfig | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The joint training loss: question encoder → doc scores → marginal likelihood.
 
@@ -253,8 +285,12 @@ def loss_fn(
       batch: {"question_input_ids": [B, Q], "question_attention_mask": [B, Q],
         "doc_vectors": [B, N, D] stored vectors of the retrieved passages,
         "context_input_ids": [B * N, S], "context_attention_mask": [B * N, S],
-        "labels": [B, T], optional "weights": [B] (0 for padding rows)}.
+        "labels": [B, T], optional "weights": [B] (0 for padding rows)}. With a trainable
+        passage encoder, "passage_input_ids" / "passage_attention_mask" [B * N, P] (its tokens of
+        the retrieved passages) replace the stored vectors: the doc vectors are recomputed from
+        `params["passage_encoder"]`, so the loss's gradient reaches it too.
       dropout_rng: enables dropout in both halves when given.
+      passage_cfg: the passage encoder's config; needed with "passage_input_ids".
 
     Returns:
       loss: [] the weighted mean per-example NLL.
@@ -266,12 +302,26 @@ def loss_fn(
     q = question_embeddings(
         cfg, params, batch["question_input_ids"], batch["question_attention_mask"], q_rng
     )
-    if batch["doc_vectors"].shape[:2] != (q.shape[0], cfg.n_docs):
+    if "passage_input_ids" in batch:
+        if passage_cfg is None:
+            raise ValueError("batch has passage_input_ids but loss_fn got no passage_cfg")
+        ids = batch["passage_input_ids"]
+        if ids.shape[0] != q.shape[0] * cfg.n_docs:
+            raise ValueError(
+                f"passage_input_ids {tuple(ids.shape)} must be [B * N, P] with B = "
+                f"{q.shape[0]} questions and N = {cfg.n_docs}"
+            )
+        p_rng = None if q_rng is None else jax.random.fold_in(q_rng, 1)
+        docs = passage_embeddings(passage_cfg, params, ids, batch["passage_attention_mask"], p_rng)
+        docs = docs.reshape(q.shape[0], cfg.n_docs, -1)  # -> [B, N, D]
+    else:
+        docs = batch["doc_vectors"]
+    if docs.shape[:2] != (q.shape[0], cfg.n_docs):
         raise ValueError(
-            f"doc_vectors {tuple(batch['doc_vectors'].shape)} must be [B, N, D] with B = "
+            f"doc_vectors {tuple(docs.shape)} must be [B, N, D] with B = "
             f"{q.shape[0]} questions and N = {cfg.n_docs}"
         )
-    scores = rag_math.doc_scores(q, batch["doc_vectors"])  # -> [B, N]
+    scores = rag_math.doc_scores(q, docs)  # -> [B, N]
     per_example = nll(
         cfg,
         params,

@@ -89,3 +89,50 @@ class Retriever:
             n_docs=self.n_docs,
             max_combined_length=self.max_combined_length,
         )
+
+
+class ClosedBook:
+    """No retrieval: each question's only "passage" is empty, so the generator sees the question
+    alone and must answer from its parameters (the closed-book baseline).
+
+    It stands in for a `Retriever` with N = 1: the one doc gets a zero vector, so p(z|x) = 1 and
+    the question encoder receives no gradient; doc ids are -1 (no passage), which the metrics
+    count as a miss.
+    """
+
+    n_docs = 1
+
+    def __init__(self, tokenizer, dim: int, *, max_combined_length: int):
+        """Args:
+        tokenizer: the generator's tokenizer (adds its special tokens around the question).
+        dim: D, the question encoder's output width.
+        max_combined_length: S, generator context length.
+        """
+        self.tokenizer, self.dim = tokenizer, dim
+        self.max_combined_length = max_combined_length
+        # The special tokens of an empty input: [CLS] [SEP] (BERT) or <s> </s> (BART).
+        self.special = list(tokenizer("")["input_ids"])
+        self.num_special = len(self.special)
+        if max_combined_length <= self.num_special:
+            raise ValueError(
+                f"max_combined_length={max_combined_length} leaves no room for the question "
+                f"next to {self.num_special} special tokens"
+            )
+
+    def __call__(self, question_vectors: np.ndarray, question_pieces: list[list[int]]) -> Retrieved:
+        """Contexts `[B, S]` holding only each question (its piece from `tokenize_questions`)."""
+        batch, length = len(question_pieces), self.max_combined_length
+        pad = self.tokenizer.pad_token_id
+        ids = np.full((batch, length), pad, np.int32)
+        mask = np.zeros((batch, length), np.int32)
+        for b, piece in enumerate(question_pieces):
+            body = list(piece)[: length - self.num_special]
+            row = self.special[:1] + body + self.special[1:]
+            ids[b, : len(row)], mask[b, : len(row)] = row, 1
+        return Retrieved(
+            doc_ids=np.full((batch, 1), -1, np.int64),
+            index_scores=np.zeros((batch, 1), np.float32),
+            doc_vectors=np.zeros((batch, 1, self.dim), np.float32),
+            context_input_ids=ids,
+            context_attention_mask=mask,
+        )

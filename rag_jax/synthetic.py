@@ -202,20 +202,33 @@ def make_world(config: WorldConfig = WorldConfig()) -> World:
     return World(config, tuple(passages[j] for j in order), tuple(facts))
 
 
-def edit_facts(world: World, fraction: float, seed: int) -> tuple[World, list[Fact]]:
+def edit_facts(
+    world: World, fraction: float, seed: int, split: str | None = None
+) -> tuple[World, list[Fact]]:
     """Changes the answers of a random `fraction` of facts, rewriting their answer passages.
 
     The hot-swap test: the edited corpus is re-indexed without touching model parameters, and the
     model should now produce the new answers.
+
+    Args:
+      world: the world to edit.
+      fraction: of the candidate facts to edit (at least one is).
+      seed: which facts and which new answers.
+      split: edit only facts of this split ("train" or "eval"); None: any fact.
 
     Returns:
       (edited world, the edited facts with their new answers).
     """
     if not 0.0 < fraction <= 1.0:
         raise ValueError(f"fraction must be in (0, 1], got {fraction}")
+    if split not in (None, "train", "eval"):
+        raise ValueError(f"split must be None, 'train' or 'eval', got {split!r}")
     rng = np.random.default_rng((world.config.seed, seed, 1))
-    count = max(1, round(len(world.facts) * fraction))
-    chosen = set(rng.permutation(len(world.facts))[:count].tolist())
+    candidates = [i for i, f in enumerate(world.facts) if split is None or f.split == split]
+    if not candidates:
+        raise ValueError(f"the world has no {split} facts to edit")
+    count = max(1, round(len(candidates) * fraction))
+    chosen = {candidates[j] for j in rng.permutation(len(candidates))[:count].tolist()}
     by_id = {p.id: p for p in world.passages}
     facts, edited = [], []
     for i, fact in enumerate(world.facts):
@@ -245,6 +258,7 @@ def vocabulary(world: World) -> list[str]:
         words.update(f.question.split())
     for _, _, _, values in RELATIONS.values():
         words.update(values)
+    words.add("/")  # RAG's title and doc separators (" / ", " // ") in generator contexts
     return sorted(words)
 
 

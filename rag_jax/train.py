@@ -14,6 +14,7 @@ stored vectors then stay valid for the whole run.
 Legend: B batch, N docs, S context length, T target length, Q question length, D width.
 """
 
+import difflib
 import functools
 import json
 import pathlib
@@ -29,7 +30,18 @@ import numpy as np
 import optax
 import tqdm
 
-from rag_jax import checkpoints, data, experiment, metrics, rag, rag_math, sharding
+from rag_jax import (
+    checkpoints,
+    data,
+    encode,
+    experiment,
+    hf,
+    metrics,
+    rag,
+    rag_math,
+    refresh,
+    sharding,
+)
 
 
 @flax.struct.dataclass
@@ -92,10 +104,14 @@ def make_optimizer(tc: ml_collections.ConfigDict, params) -> optax.GradientTrans
     else:
         raise ValueError(f"config.train.optimizer must be adamw or sgd, got {tc.optimizer!r}")
     tx = optax.chain(optax.clip_by_global_norm(tc.grad_clip), base) if tc.grad_clip else base
-    # The question encoder may learn more slowly than the generator: early in training the
-    # generator does not yet read its contexts, so the retriever's gradient is mostly noise, and
-    # Adam turns small noisy gradients into full-size steps.
-    retriever = optax.chain(tx, optax.scale(tc.retriever_lr_factor))
+    # The question encoder may learn more slowly than the generator, and may wait: until the
+    # generator reads its contexts, p(z|x,y) ~ p(z|x) and the retriever's gradient is mostly
+    # noise, which Adam turns into full-size steps that undo the warm start.
+    delay, factor = tc.get("retriever_delay_steps", 0), tc.retriever_lr_factor
+    retriever = optax.chain(
+        tx,
+        optax.scale_by_schedule(lambda step: jnp.where(step < delay, 0.0, factor)),
+    )
     labels = path_labels(params, tc.freeze, "frozen", "train")
     labels = jax.tree.map(
         lambda label, q: "retriever" if label == "train" and q == "q" else label,
@@ -120,19 +136,38 @@ def _entropy(scores: jax.Array) -> jax.Array:
     return -jnp.sum(jnp.exp(logp) * logp, axis=-1)
 
 
-def make_train_step(rag_cfg: rag.RagConfig, variant: str, tx, dropout_rng, deterministic: bool):
-    """`train_step(state, batch) -> (state, metrics)`, jitted with the state donated."""
+_PER_DOC_TOKENS = (
+    "context_input_ids",
+    "context_attention_mask",
+    "passage_input_ids",
+    "passage_attention_mask",
+)
+
+
+def make_train_step(
+    rag_cfg: rag.RagConfig,
+    variant: str,
+    tx,
+    dropout_rng,
+    deterministic: bool,
+    passage_cfg=None,
+):
+    """`train_step(state, batch) -> (state, metrics)`, jitted with the state donated.
+
+    `passage_cfg` is needed when batches carry passage tokens (a trainable passage encoder).
+    """
 
     def train_step(state: TrainState, batch):
         rng = None if deterministic else jax.random.fold_in(dropout_rng, state.step)
 
-        # Contexts travel as [B, N, S] so every leaf shards over B; the loss takes [B * N, S].
+        # Token leaves travel as [B, N, L] so every leaf shards over B; the loss takes [B * N, L].
         flat = dict(batch)
-        for key in ("context_input_ids", "context_attention_mask"):
-            flat[key] = batch[key].reshape(-1, batch[key].shape[-1])  # -> [B * N, S]
+        for key in _PER_DOC_TOKENS:
+            if key in batch:
+                flat[key] = batch[key].reshape(-1, batch[key].shape[-1])  # -> [B * N, L]
 
         def loss(params):
-            return rag.loss_fn(rag_cfg, params, flat, variant, rng)
+            return rag.loss_fn(rag_cfg, params, flat, variant, rng, passage_cfg)
 
         (_, aux), grads = jax.value_and_grad(loss, has_aux=True)(state.params)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
@@ -184,10 +219,16 @@ def answer_labels(tokenizer, answers, rag_cfg: rag.RagConfig, max_length: int) -
 
 
 class Batcher:
-    """Host-side batch assembly: tokens, labels and retrieval, deterministic in (seed, step)."""
+    """Host-side batch assembly: tokens, labels and retrieval, deterministic in (seed, step).
+
+    On several hosts each process assembles only its block of every global batch (rows
+    `sharding.process_block(mesh)`): its own questions, encoded in the global jitted call and
+    searched in its own replica of the index; `sharding.shard_batch` then joins the blocks.
+    """
 
     def __init__(self, exp: experiment.Experiment, mesh):
         self.exp, self.mesh = exp, mesh
+        self.block, self.blocks = sharding.process_block(mesh)
         self.embed = jax.jit(functools.partial(rag.question_embeddings, exp.rag_cfg))
 
     def questions(self, examples):
@@ -201,16 +242,43 @@ class Batcher:
         return fields, pieces
 
     def retrieve(self, params, fields, pieces):
-        """Encodes with the current question encoder and retrieves; returns host arrays."""
+        """Encodes with the current question encoder and retrieves; returns host arrays.
+
+        `fields` and `pieces` hold this process's rows; so does the result.
+        """
         ids, mask = sharding.shard_batch(
             self.mesh, (fields["question_input_ids"], fields["question_attention_mask"])
         )
-        q = jax.device_get(self.embed(params, ids, mask))  # -> [B, D]
+        q = sharding.local_rows(self.embed(params, ids, mask))  # -> [local B, D]
         return self.exp.retriever(q, pieces)
+
+    def passage_tokens(self, doc_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Passage-encoder inputs [B * N, P] of the retrieved passages, as the index reads them."""
+        c, store = self.exp.config, self.exp.store
+        rows = encode.tokenize_passages(
+            self.exp.question_tokenizer,
+            [store.title(int(j)) for j in doc_ids.reshape(-1)],
+            [store.text(int(j)) for j in doc_ids.reshape(-1)],
+            max_length=c.retrieval.passage_max_length,
+            input_format=c.retrieval.passage_format,
+        )
+        length = c.retrieval.passage_max_length
+        ids = np.full((len(rows), length), self.exp.question_tokenizer.pad_token_id, np.int32)
+        mask = np.zeros((len(rows), length), np.int32)
+        for i, row in enumerate(rows):
+            ids[i, : len(row)], mask[i, : len(row)] = row, 1
+        return ids, mask
 
     def train_batch(self, params, step: int):
         c = self.exp.config
-        idx = data.batch_indices(len(self.exp.train), c.train.batch_size, c.seed, step)
+        idx = data.batch_indices(
+            len(self.exp.train),
+            c.train.batch_size,
+            c.seed,
+            step,
+            process_index=self.block,
+            process_count=self.blocks,
+        )  # -> [local B]: this process's rows of the global batch
         examples = [self.exp.train[i] for i in idx]
         targets = [
             data.pick_target(e.answers, c.data.target, c.seed, step, int(i))
@@ -228,12 +296,17 @@ class Batcher:
                 self.exp.generator_tokenizer, targets, self.exp.rag_cfg, c.data.answer_length
             ),
         )
+        if c.retrieval.get("refresh_every", 0):  # a trainable passage encoder re-encodes them
+            ids, mask = self.passage_tokens(hits.doc_ids)
+            batch.update(
+                passage_input_ids=ids.reshape(shape), passage_attention_mask=mask.reshape(shape)
+            )
         recall = metrics.answer_recall(
             [e.answers for e in examples],
-            [[self.exp.store.text(int(j)) for j in row] for row in hits.doc_ids],
+            [[self.exp.store.text(int(j)) for j in row if j >= 0] for row in hits.doc_ids],
             [self.exp.rag_cfg.n_docs],
         )
-        return batch, recall
+        return batch, sharding.sum_over_processes(recall)  # over the global batch
 
 
 # ---------------------------------------------------------------------------------------------
@@ -243,6 +316,11 @@ class Batcher:
 def evaluate(exp: experiment.Experiment, params, examples, *, mesh, variant: str, ks=(1, 5)):
     """EM/F1 of generated answers and retrieval recall@k over `examples` (none dropped).
 
+    On several hosts every process calls this with the same `examples`: each retrieves and feeds
+    its block of every batch, the generated tokens and retrieved ids of all blocks are gathered
+    to every process, and each example is scored exactly once, so all processes return the same
+    metrics and predictions (the trainer writes them from process 0).
+
     Returns:
       (metrics as floats, predictions: one dict per example with the answer and retrieved ids).
     """
@@ -250,31 +328,36 @@ def evaluate(exp: experiment.Experiment, params, examples, *, mesh, variant: str
     batch_size = c.eval.batch_size
     sharding.check_batch_divisible(batch_size, mesh.size, "eval batch")
     batcher = Batcher(exp, mesh)
+    local = batch_size // batcher.blocks  # rows of each batch this process retrieves for
+    mine = slice(batcher.block * local, (batcher.block + 1) * local)
     gen = _generate_fn(exp.rag_cfg, variant, c.eval.sequence_decoding)
     ks = [k for k in ks if k <= exp.rag_cfg.n_docs]
     totals, predictions = {}, []
     for idx, mask in data.eval_batches(len(examples), batch_size):
         batch_examples = [examples[i] for i in idx]
-        fields, pieces = batcher.questions(batch_examples)
+        fields, pieces = batcher.questions(batch_examples[mine])
         hits = batcher.retrieve(params, fields, pieces)
-        q_ids, q_mask, vecs, ctx, ctx_mask = sharding.shard_batch(
+        q_ids, q_mask, vecs, ctx, ctx_mask, doc_ids = sharding.shard_batch(
             mesh,
             (
                 fields["question_input_ids"],
                 fields["question_attention_mask"],
                 hits.doc_vectors,
-                hits.context_input_ids.reshape(batch_size, -1, hits.context_input_ids.shape[-1]),
-                hits.context_attention_mask.reshape(
-                    batch_size, -1, hits.context_input_ids.shape[-1]
-                ),
+                hits.context_input_ids.reshape(local, -1, hits.context_input_ids.shape[-1]),
+                hits.context_attention_mask.reshape(local, -1, hits.context_input_ids.shape[-1]),
+                hits.doc_ids.astype(np.int32),
             ),
         )
-        tokens = np.asarray(jax.device_get(gen(params, q_ids, q_mask, vecs, ctx, ctx_mask)))
+        # Every block's answers and retrieved rows, on every process: -> [B, L], [B, N].
+        tokens, doc_ids = sharding.gather_to_host(
+            (gen(params, q_ids, q_mask, vecs, ctx, ctx_mask), doc_ids)
+        )
         answers = exp.generator_tokenizer.batch_decode(tokens, skip_special_tokens=True)
         answers = [a.strip() for a in answers]
         gold_answers = [e.answers for e in batch_examples]
-        texts = [[exp.store.text(int(j)) for j in row] for row in hits.doc_ids]
-        ids = [[exp.store.ids[int(j)] for j in row] for row in hits.doc_ids]
+        # Ids are -1 where nothing was retrieved (closed book): counted as misses.
+        texts = [[exp.store.text(int(j)) for j in row if j >= 0] for row in doc_ids]
+        ids = [[exp.store.ids[int(j)] for j in row if j >= 0] for row in doc_ids]
         totals = metrics.merge_metrics(
             totals,
             metrics.qa_metrics(answers, gold_answers, mask),
@@ -330,6 +413,17 @@ def _init_state(exp: experiment.Experiment, tx, mesh) -> TrainState:
     return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params))
 
 
+def _abstract_state(init_fn, mesh) -> TrainState:
+    """The shapes of `init_fn()`, replicated over `mesh`, as the target of a restore.
+
+    `jax.eval_shape` drops placements; without them a restore lands on one local device, and on
+    several hosts each process would hold its own unreplicated copy.
+    """
+    where = sharding.replicated(mesh)
+    to_struct = lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=where)
+    return jax.tree.map(to_struct, jax.eval_shape(init_fn))
+
+
 def restore(workdir, config: ml_collections.ConfigDict | None = None, exp=None):
     """The newest checkpoint in `workdir` (config read from beside it unless given).
 
@@ -341,10 +435,11 @@ def restore(workdir, config: ml_collections.ConfigDict | None = None, exp=None):
     exp = exp or experiment.build(config, workdir)
     mesh = device_mesh(config)
     init = functools.partial(_init_state, exp, make_optimizer(config.train, exp.params), mesh)
-    with checkpoints.Checkpointer(workdir, read_only=True) as ckpt:
-        restored = ckpt.restore_latest(jax.eval_shape(init))
+    ckpt_root = config.train.get("checkpoint_dir", "") or workdir  # e.g. gs://bucket/run
+    with checkpoints.Checkpointer(ckpt_root, read_only=True) as ckpt:
+        restored = ckpt.restore_latest(_abstract_state(init, mesh))
     if restored is None:
-        raise FileNotFoundError(f"no checkpoint in {checkpoints.checkpoint_dir(workdir)}")
+        raise FileNotFoundError(f"no checkpoint in {checkpoints.checkpoint_dir(ckpt_root)}")
     state, step = restored
     return exp, state, step
 
@@ -376,12 +471,110 @@ class _Logger:
             self.tb.close()
 
 
+# Every setting the library and the experiment scripts read, by section. Anything else is a typo
+# (or a setting of another version) that would be silently ignored, so `validate` refuses it. A
+# new setting goes here too (tests/reliability_test.py checks that default.py validates).
+# `model.question_encoder`, `model.generator` and `data.fields` are checked where they are used.
+CONFIG_KEYS = {
+    "": {"seed", "data", "model", "warm_start", "rag", "retrieval", "train", "eval"},
+    "data": {
+        "source", "num_entities", "distractors_per_fact", "eval_fraction", "question_length",
+        "answer_length", "target", "train_path", "eval_path", "corpus_path", "fields",
+        "max_train", "max_eval", "tfds_name", "train_split", "eval_split", "tfds_data_dir",
+    },
+    "model": {
+        "init", "dtype", "remat", "deterministic", "question_encoder", "generator",
+        "question_encoder_path", "passage_encoder_path", "generator_path", "rag_path",
+        "shared_towers",
+    },
+    "warm_start": {"method", "steps", "batch_size", "learning_rate", "keep_prob", "cache_dir"},
+    "rag": {
+        "variant", "n_docs", "max_combined_length", "label_smoothing", "exclude_bos_score",
+        "closed_book",
+    },
+    "retrieval": {
+        "index", "passage_max_length", "passage_format", "encode_batch_size", "index_dir",
+        "refresh_every", "refresh_lag",
+    },
+    "train": {
+        "steps", "batch_size", "num_devices", "optimizer", "learning_rate", "warmup_steps",
+        "decay", "decay_power", "end_lr_factor", "retriever_lr_factor", "retriever_delay_steps",
+        "weight_decay",
+        "no_decay", "adam_b1", "adam_b2", "adam_eps", "grad_clip", "grad_accum", "freeze",
+        "log_every", "save_every", "keep_checkpoints", "checkpoint_dir",
+    },
+    "eval": {
+        "enabled", "batch_size", "max_examples", "num_beams", "max_length", "sequence_decoding",
+        "every",
+    },
+}  # fmt: skip
+
+
+def _check_keys(config: ml_collections.ConfigDict) -> None:
+    """Refuses a key `CONFIG_KEYS` does not list, naming it and the nearest known key."""
+    for section, known in CONFIG_KEYS.items():
+        node = config if not section else config.get(section)
+        if node is None:
+            raise ValueError(f"config has no section config.{section}; add it (see default.py)")
+        prefix = f"config.{section}." if section else "config."
+        for key in node.keys():
+            if key in known:
+                continue
+            close = difflib.get_close_matches(key, sorted(known), n=1)
+            hint = f"did you mean {prefix}{close[0]}?" if close else f"known: {sorted(known)}"
+            raise ValueError(f"{prefix}{key} is not a setting rag_jax reads; {hint}")
+
+
+def _check_paths(config: ml_collections.ConfigDict) -> None:
+    """Every file or checkpoint the config names exists, before anything is built."""
+    d, m = config.data, config.model
+    files = []
+    if d.source == "files":
+        files = [("data.train_path", d.get("train_path"), True)]
+        files.append(("data.eval_path", d.get("eval_path"), False))
+        if not config.retrieval.get("index_dir"):
+            files.append(("data.corpus_path", d.get("corpus_path"), True))
+    for key, path, required in files:
+        if required and not path:
+            raise ValueError(f"config.{key} is not set; data.source='files' needs it")
+        if path and not pathlib.Path(path).is_file():
+            raise FileNotFoundError(f"config.{key}={path!r}: no such file; point it at the file")
+    index_dir = config.retrieval.get("index_dir")
+    if index_dir and not pathlib.Path(index_dir).is_dir():
+        raise FileNotFoundError(
+            f"config.retrieval.index_dir={index_dir!r}: no such directory; build one with "
+            "experiments/build_index.py or unset it"
+        )
+    checkpoints_needed = {"pretrained": ["question_encoder_path"], "hf_rag": ["rag_path"]}
+    for key in ("question_encoder_path", "passage_encoder_path", "generator_path", "rag_path"):
+        path = m.get(key)
+        if not path:
+            if key in checkpoints_needed.get(m.init, []):
+                raise ValueError(f"config.model.{key} is not set; model.init={m.init!r} needs it")
+            continue
+        if pathlib.Path(path).is_dir():
+            continue
+        try:
+            hf.resolve(path)  # a hub id in the local cache (or reachable hub) is fine
+        except Exception as e:
+            raise FileNotFoundError(
+                f"config.model.{key}={path!r} is not a checkpoint directory ({e}); set it to a "
+                "directory holding config.json and the weights, or to a hub id"
+            ) from None
+
+
 def validate(config: ml_collections.ConfigDict, num_devices: int) -> None:
     """Start-up checks of invariants, each error naming the value and what would be right."""
+    _check_keys(config)
     tc = config.train
-    sharding.check_batch_divisible(tc.batch_size, num_devices)
+    batches = {"train": ("global batch", tc.batch_size)}
     if config.eval.enabled:
-        sharding.check_batch_divisible(config.eval.batch_size, num_devices, "eval batch")
+        batches["eval"] = ("eval batch", config.eval.batch_size)
+    for section, (what, size) in batches.items():
+        try:
+            sharding.check_batch_divisible(size, num_devices, what)
+        except ValueError as e:
+            raise ValueError(f"config.{section}.batch_size: {e}") from None
     if config.rag.variant not in ("sequence", "token"):
         raise ValueError(
             f"config.rag.variant must be sequence or token, got {config.rag.variant!r}"
@@ -395,6 +588,20 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> None:
             raise ValueError(f"config.train.{key} must be >= 1, got {tc[key]}")
     if tc.warmup_steps < 0:
         raise ValueError(f"config.train.warmup_steps must be >= 0, got {tc.warmup_steps}")
+    refresh_every = config.retrieval.get("refresh_every", 0)
+    passage_frozen = bool(tc.freeze) and re.search(tc.freeze, "passage_encoder/") is not None
+    if refresh_every and passage_frozen:
+        raise ValueError(
+            f"config.retrieval.refresh_every={refresh_every} is for a trainable passage encoder, "
+            f"but config.train.freeze={tc.freeze!r} freezes passage_encoder/; remove it there"
+        )
+    if not refresh_every and not passage_frozen:
+        raise ValueError(
+            f"config.train.freeze={tc.freeze!r} leaves the passage encoder trainable, but "
+            "config.retrieval.refresh_every=0 never re-encodes the corpus, so the index would "
+            "go stale; freeze passage_encoder/ or set refresh_every"
+        )
+    _check_paths(config)
 
 
 def device_mesh(config: ml_collections.ConfigDict):
@@ -426,20 +633,31 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir) -> dict:
 
     init_state = functools.partial(_init_state, exp, tx, mesh)
     checkpoints.install_preemption_handler()
+    # Several hosts need checkpoints on storage they share: a gs:// bucket or a shared workdir.
     ckpt = checkpoints.Checkpointer(
-        workdir, max_to_keep=tc.keep_checkpoints, save_interval_steps=tc.save_every
+        tc.get("checkpoint_dir", "") or workdir,
+        max_to_keep=tc.keep_checkpoints,
+        save_interval_steps=tc.save_every,
     )
-    state, restored = ckpt.restore_or_init(init_state)
+    state, restored = ckpt.restore_or_init(init_state, _abstract_state(init_state, mesh))
     state = sharding.replicate(mesh, state)
     start = int(restored or 0)
+    if restored is not None:
+        print(f"resumed from checkpoint step {restored} in {ckpt.directory}", flush=True)
+    refresher = None
+    if config.retrieval.get("refresh_every", 0):  # a trainable passage encoder
+        every = config.retrieval.refresh_every
+        lag = config.retrieval.get("refresh_lag", 0) or max(1, every // 2)
+        refresher = refresh.IndexRefresher(exp, workdir, every, lag)
+        refresher.resume(start)
     logger = _Logger(workdir)
     eval_examples = exp.eval[: config.eval.max_examples or None]
 
     before_path = workdir / "eval_before.json"
     if not config.eval.enabled:
         before = {}
-    elif before_path.is_file():
-        before = json.loads(before_path.read_text())
+    elif sharding.from_process0(before_path.is_file()):  # evaluate on all hosts or on none
+        before = json.loads(before_path.read_text()) if before_path.is_file() else {}
     else:
         before, _ = evaluate(exp, state.params, eval_examples, mesh=mesh, variant=variant)
         if jax.process_index() == 0:
@@ -447,7 +665,14 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir) -> dict:
         logger.write(start, before, "eval/")
     print(f"before training: {json.dumps(before)}", flush=True)
 
-    step_fn = make_train_step(exp.rag_cfg, variant, tx, dropout_rng, config.model.deterministic)
+    step_fn = make_train_step(
+        exp.rag_cfg,
+        variant,
+        tx,
+        dropout_rng,
+        config.model.deterministic,
+        exp.passage_cfg if refresher else None,
+    )
     batcher = Batcher(exp, mesh)
     totals: dict = {}
     last_log = time.perf_counter()
@@ -458,20 +683,28 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir) -> dict:
             ckpt.save(step, state, config, force=True)
             print(f"preempted: saved step {step}", flush=True)
             break
+        if refresher:
+            refresher.before_step(step, state.params)
         host_batch, recall = batcher.train_batch(state.params, step)
         batch = sharding.shard_batch(mesh, host_batch)
         with jax.transfer_guard("disallow"):
             state, step_metrics = step_fn(state, batch)
         step += 1
-        totals = metrics.merge_metrics(totals, recall, jax.device_get(step_metrics))
+        step_values = jax.device_get(step_metrics)
+        # Checked every step, before this state can be saved: a checkpoint is never non-finite.
+        bad = [k for k, (total, _) in step_values.items() if not np.isfinite(total)]
+        bad.sort(key=lambda k: k != "loss")  # the loss first: it is what the user watches
+        if bad:
+            ckpt.close()  # The last good checkpoint's write completes.
+            raise FloatingPointError(
+                f"non-finite {bad[0]} ({float(step_values[bad[0]][0])}) at train step {step} "
+                f"(non-finite: {bad}); stopped without saving it. The last good checkpoint, step "
+                f"{ckpt.latest_step()}, is kept in {ckpt.directory}"
+            )
+        totals = metrics.merge_metrics(totals, recall, step_values)
         bar.update(1)
         if step % tc.log_every == 0 or step == tc.steps:
             values = metrics.reduce_metrics(totals)
-            if not np.isfinite(values["loss"]):
-                raise FloatingPointError(
-                    f"non-finite loss {values['loss']} at step {step}; the last good checkpoint "
-                    f"(step {ckpt.latest_step()}) is kept in {workdir}"
-                )
             elapsed = time.perf_counter() - last_log
             count = step % tc.log_every or tc.log_every
             values.update(
@@ -484,8 +717,14 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir) -> dict:
             )
             totals, last_log = {}, time.perf_counter()
         ckpt.save(step, state, config, force=step == tc.steps)
+        every = config.eval.get("every", 0)
+        if config.eval.enabled and every and step % every == 0 and step < tc.steps:
+            during, _ = evaluate(exp, state.params, eval_examples, mesh=mesh, variant=variant)
+            logger.write(step, during, "eval/")  # learning curves; the final eval follows
     bar.close()
     ckpt.close()
+    if refresher:
+        refresher.finish(state.params)  # evaluate against the final passage encoder's index
 
     after, predictions = {}, []
     if config.eval.enabled:

@@ -12,6 +12,8 @@ fsync, rename, fsync of the directory), so an interrupted run leaves only whole,
 and stray `*.tmp` files, which the next run deletes.
 """
 
+import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -53,15 +55,37 @@ class _HashingWriter:
         return self.f.write(data)
 
 
+@contextlib.contextmanager
+def _disk_full_names(tmp: pathlib.Path, what: str):
+    """Deletes `tmp` when the block fails; a full disk becomes an error that says so."""
+    try:
+        yield
+    except BaseException as e:
+        tmp.unlink(missing_ok=True)
+        if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+            raise OSError(
+                errno.ENOSPC,
+                f"disk full while writing {what} ({e}); the shards recorded in "
+                f"{tmp.parent / MANIFEST} are intact: free space and run encode_corpus again "
+                "with the same arguments to resume",
+            ) from e
+        raise
+
+
 def write_shard(path: pathlib.Path, vectors: np.ndarray, dtype: str) -> str:
-    """Writes `vectors` [rows, D] as `.npy` atomically (temp file, fsync, rename); its sha256."""
+    """Writes `vectors` [rows, D] as `.npy` atomically (temp file, fsync, rename); its sha256.
+
+    Raises:
+      OSError: `errno.ENOSPC` naming the shard when the disk is full (nothing of it is left).
+    """
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        writer = _HashingWriter(f)
-        np.save(writer, vectors.view(NPY_DTYPES[dtype]), allow_pickle=False)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    with _disk_full_names(tmp, f"vectors shard {path}"):
+        with open(tmp, "wb") as f:
+            writer = _HashingWriter(f)
+            np.save(writer, vectors.view(NPY_DTYPES[dtype]), allow_pickle=False)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
     _fsync_dir(path.parent)
     return writer.sha.hexdigest()
 
@@ -69,12 +93,13 @@ def write_shard(path: pathlib.Path, vectors: np.ndarray, dtype: str) -> str:
 def write_manifest(directory: pathlib.Path, manifest: dict) -> None:
     """Replaces `directory/manifest.json` atomically (temp file, fsync, rename)."""
     tmp = directory / (MANIFEST + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(manifest, f, indent=1, sort_keys=True)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, directory / MANIFEST)
+    with _disk_full_names(tmp, f"{directory / MANIFEST}"):
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(manifest, f, indent=1, sort_keys=True)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, directory / MANIFEST)
     _fsync_dir(directory)
 
 

@@ -322,3 +322,20 @@ def test_multi_process_stop_follows_the_preemption_sync_point(monkeypatch):
     assert not checkpoints.install_preemption_handler()
     assert [checkpoints.should_stop(step) for step in (5, 6, 7)] == [False, False, True]
     assert not checkpoints.should_stop()  # Without a step there is no sync point to ask about.
+
+
+def test_checkpoint_dir_keeps_gs_urls_whole(monkeypatch):
+    """A gs:// location reaches orbax as a gs:// path (no network: orbax is replaced)."""
+    seen = {}
+
+    class FakeManager:
+        def __init__(self, directory, **kwargs):
+            seen["directory"], seen["kwargs"] = directory, kwargs
+
+    monkeypatch.setattr(checkpoints.ocp, "CheckpointManager", FakeManager)
+    assert str(checkpoints.checkpoint_dir("gs://bucket/run")) == "gs://bucket/run/checkpoints"
+    checkpoints.Checkpointer("gs://bucket/run/")
+    assert str(seen["directory"]) == "gs://bucket/run/checkpoints"
+    assert os.fspath(seen["directory"]).startswith("gs://")
+    local = checkpoints.checkpoint_dir("relative/run")
+    assert local.is_absolute() and str(local).endswith("relative/run/checkpoints")

@@ -204,9 +204,10 @@ def test_check_fits(caplog):
 def init_calls(monkeypatch):
     """Records jax.distributed.initialize calls in a clean (single-host) environment."""
     calls = []
-    monkeypatch.setattr(jax.distributed, "initialize", lambda: calls.append(1))
+    monkeypatch.setattr(jax.distributed, "initialize", lambda **kwargs: calls.append(kwargs or 1))
     monkeypatch.setattr(jax.distributed, "is_initialized", lambda: bool(calls))
     names = sharding._COORDINATOR_VARS + sharding._WORKER_LIST_VARS + sharding._PROCESS_COUNT_VARS
+    names += ("JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
     for var in names:
         monkeypatch.delenv(var, raising=False)
     return calls
@@ -237,3 +238,73 @@ def test_maybe_initialize_distributed_detects_multi_host(init_calls, monkeypatch
     assert sharding.maybe_initialize_distributed() is True
     assert sharding.maybe_initialize_distributed() is True  # Idempotent: initialises once.
     assert init_calls == [1]
+
+
+def test_maybe_initialize_distributed_passes_explicit_settings(init_calls, monkeypatch):
+    address = "127.0.0.1:4321"
+    assert sharding.maybe_initialize_distributed(
+        coordinator_address=address, num_processes=2, process_id=1
+    )
+    assert init_calls == [{"coordinator_address": address, "num_processes": 2, "process_id": 1}]
+
+
+def test_maybe_initialize_distributed_reads_process_count_and_id(init_calls, monkeypatch):
+    monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "10.0.0.1:1234")  # JAX reads this one itself
+    monkeypatch.setenv("JAX_NUM_PROCESSES", "4")
+    monkeypatch.setenv("JAX_PROCESS_ID", "3")
+    assert sharding.maybe_initialize_distributed() is True
+    assert init_calls == [{"num_processes": 4, "process_id": 3}]
+
+
+def test_maybe_initialize_distributed_rejects_bad_process_id(init_calls, monkeypatch):
+    monkeypatch.setenv("JAX_PROCESS_ID", "first")
+    with pytest.raises(ValueError, match=r"JAX_PROCESS_ID='first' must be a non-negative integer"):
+        sharding.maybe_initialize_distributed()
+    assert init_calls == []
+
+
+class _FakeDevice:
+    def __init__(self, process_index):
+        self.process_index = process_index
+
+
+class _FakeMesh:
+    """Only what `process_block` reads: the device array (its process indices) and the shape."""
+
+    def __init__(self, owners):
+        self.devices = np.array([_FakeDevice(p) for p in owners], dtype=object)
+        self.shape = {"data": len(owners)}
+
+
+@pytest.mark.parametrize(
+    "owners, block",
+    [([0, 0, 1, 1], (0, 2)), ([1, 1, 0, 0], (1, 2)), ([2, 0, 1], (1, 3))],
+)
+def test_process_block_reads_the_mesh_order(owners, block):
+    # This process is process 0 (a single-process test run).
+    assert sharding.process_block(_FakeMesh(owners)) == block
+
+
+@pytest.mark.parametrize(
+    "owners, message",
+    [
+        ([0, 1, 0, 1], "adjacent on the mesh"),
+        ([0, 0, 0, 1], "equal in number"),
+        ([1, 1, 2, 2], "process 0 has no device in the mesh"),
+    ],
+)
+def test_process_block_errors(owners, message):
+    with pytest.raises(ValueError, match=message):
+        sharding.process_block(_FakeMesh(owners))
+
+
+def test_single_process_host_helpers(mesh):
+    x = np.arange(16 * 2, dtype=np.float32).reshape(16, 2)
+    batch = sharding.shard_batch(mesh, x)
+    assert sharding.process_block(mesh) == (0, 1)
+    np.testing.assert_array_equal(sharding.local_rows(batch), x)
+    gathered = sharding.gather_to_host({"x": batch, "s": jnp.float32(2.0)})
+    np.testing.assert_array_equal(gathered["x"], x)
+    assert isinstance(gathered["x"], np.ndarray) and gathered["s"] == 2.0
+    assert sharding.sum_over_processes({"a": (1.5, 2)}) == {"a": (1.5, 2)}
+    assert sharding.from_process0(True) is True
