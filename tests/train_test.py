@@ -221,3 +221,83 @@ def test_config_errors_name_the_value(tmp_path):
         experiment.build(tiny_config(**{"rag.n_docs": 999}), tmp_path / "b")
     with pytest.raises(ValueError, match=r"config.data.source"):
         experiment.build(tiny_config(**{"data.source": "web"}), tmp_path / "c")
+
+
+@pytest.mark.slow
+def test_tfds_data_path(tmp_path):
+    """A few steps with QA data read through `tfds.data_source` (array_record, no TensorFlow).
+
+    A local `natural_questions_open` builder (the real one with its download replaced) holds the
+    synthetic world's questions; its passages are the corpus file and its word-level tokenizer is
+    saved as a checkpoint tokenizer, so the test needs nothing outside the repository.
+    """
+    from etils import epath
+    from tensorflow_datasets.datasets.natural_questions_open import (
+        natural_questions_open_dataset_builder as nq,
+    )
+
+    from rag_jax import synthetic
+
+    config = tiny_config(**{"train.steps": 3, "warm_start.method": "none"})
+    world = synthetic.make_world(
+        synthetic.WorldConfig(
+            seed=config.seed,
+            num_entities=config.data.num_entities,
+            distractors_per_fact=config.data.distractors_per_fact,
+            eval_fraction=config.data.eval_fraction,
+        )
+    )
+    splits = {
+        tfds_split: [
+            {"question": q["question"], "answer": q["answers"]} for q in world.questions(s)
+        ]
+        for tfds_split, s in (("train", "train"), ("validation", "eval"))
+    }
+
+    class LocalNaturalQuestionsOpen(nq.Builder, skip_registration=True):
+        name = "natural_questions_open"
+        pkg_dir_path = epath.Path(nq.__file__).parent  # the real builder's metadata
+
+        def _split_generators(self, dl_manager):
+            return {split: enumerate(records) for split, records in splits.items()}
+
+    tfds_dir = tmp_path / "tfds"
+    LocalNaturalQuestionsOpen(
+        data_dir=str(tfds_dir), file_format="array_record"
+    ).download_and_prepare()
+    assert list(tfds_dir.glob("natural_questions_open/*/*-train.array_record-*"))
+
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text(
+        "".join(
+            json.dumps({"id": p.id, "title": p.title, "text": p.text}) + "\n"
+            for p in world.passages
+        )
+    )
+    synthetic.tokenizer(world).save_pretrained(tmp_path / "tokenizer")
+    config.data.source = "tfds"
+    config.data.tfds_name = "natural_questions_open"
+    config.data.train_split = "train"
+    config.data.eval_split = "validation"
+    config.data.tfds_data_dir = str(tfds_dir)
+    config.data.corpus_path = str(corpus)
+    config.model.question_encoder_path = str(tmp_path / "tokenizer")  # random init: tokenizer only
+
+    exp = experiment.build(config, tmp_path / "build")
+    for examples, records in ((exp.train, splits["train"]), (exp.eval, splits["validation"])):
+        got = sorted((e.question, e.answers) for e in examples)
+        assert got == sorted((r["question"], tuple(r["answer"])) for r in records)
+    assert exp.train[0].id.startswith("natural_questions_open/train/")
+    summary = train.train_and_evaluate(config, tmp_path / "work")
+    assert summary["steps"] == 3
+    logs = [
+        json.loads(line) for line in (tmp_path / "work" / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert [r["step"] for r in logs if "train/loss" in r] == [3]
+    assert all(np.isfinite(r["train/loss"]) for r in logs if "train/loss" in r)
+    # Training moved the trainable towers away from the built experiment's initial parameters.
+    _, final = _final_params(tmp_path / "work")
+    before, after = _flat(exp.params), _flat(final)
+    assert any(
+        not np.array_equal(before[k], after[k]) for k in before if k.startswith("['generator']")
+    )

