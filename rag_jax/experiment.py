@@ -37,7 +37,7 @@ import numpy as np
 
 from rag_jax import bart, bert, data, encode, hf, rag, synthetic, warm_start
 from rag_jax.corpus import Passage, read_passages
-from rag_jax.index import ExactIndex, ScannIndex
+from rag_jax.index import DeviceIndex, ExactIndex, ScannIndex
 from rag_jax.passage_store import PassageStore
 from rag_jax.retriever import ClosedBook, Retriever
 
@@ -307,11 +307,18 @@ def _cached_ict(config, rag_cfg, p_cfg, params, tokenizer, store, workdir) -> di
 
 
 def make_index(vectors: np.ndarray, kind: str):
+    """The index `config.retrieval.index` names over `vectors` [C, D].
+
+    "exact" and "scann" search on the host; "device" shards the vectors over this process's
+    devices (`DeviceIndex`) and searches there, one jitted program per batch.
+    """
     if kind == "exact":
         return ExactIndex(vectors)
     if kind == "scann":
         return ScannIndex.build(vectors)
-    raise ValueError(f"config.retrieval.index must be 'exact' or 'scann', got {kind!r}")
+    if kind == "device":
+        return DeviceIndex(vectors, jax.sharding.Mesh(np.array(jax.local_devices()), ("data",)))
+    raise ValueError(f"config.retrieval.index must be exact, scann or device, got {kind!r}")
 
 
 def load_index_dir(directory, store: PassageStore, passage_cfg, passage_params):

@@ -40,6 +40,7 @@ from rag_jax import (
     rag,
     rag_math,
     refresh,
+    retriever,
     sharding,
 )
 
@@ -108,7 +109,7 @@ def make_optimizer(tc: ml_collections.ConfigDict, params) -> optax.GradientTrans
     # generator reads its contexts, p(z|x,y) ~ p(z|x) and the retriever's gradient is mostly
     # noise, which Adam turns into full-size steps that undo the warm start.
     delay, factor = tc.get("retriever_delay_steps", 0), tc.retriever_lr_factor
-    retriever = optax.chain(
+    question_tx = optax.chain(
         tx,
         optax.scale_by_schedule(lambda step: jnp.where(step < delay, 0.0, factor)),
     )
@@ -119,7 +120,7 @@ def make_optimizer(tc: ml_collections.ConfigDict, params) -> optax.GradientTrans
         path_labels(params, r"^question_encoder/", "q", "-"),
     )
     tx = optax.multi_transform(
-        {"train": tx, "retriever": retriever, "frozen": optax.set_to_zero()}, labels
+        {"train": tx, "retriever": question_tx, "frozen": optax.set_to_zero()}, labels
     )
     if tc.grad_accum > 1:
         tx = optax.MultiSteps(tx, every_k_schedule=tc.grad_accum)
@@ -301,11 +302,13 @@ class Batcher:
             batch.update(
                 passage_input_ids=ids.reshape(shape), passage_attention_mask=mask.reshape(shape)
             )
-        recall = metrics.answer_recall(
-            [e.answers for e in examples],
-            [[self.exp.store.text(int(j)) for j in row if j >= 0] for row in hits.doc_ids],
-            [self.exp.rag_cfg.n_docs],
-        )
+        recall = {}
+        if not isinstance(self.exp.retriever, retriever.ClosedBook):
+            recall = metrics.answer_recall(
+                [e.answers for e in examples],
+                [[self.exp.store.text(int(j)) for j in row] for row in hits.doc_ids],
+                [self.exp.rag_cfg.n_docs],
+            )
         return batch, sharding.sum_over_processes(recall)  # over the global batch
 
 
@@ -355,15 +358,18 @@ def evaluate(exp: experiment.Experiment, params, examples, *, mesh, variant: str
         answers = exp.generator_tokenizer.batch_decode(tokens, skip_special_tokens=True)
         answers = [a.strip() for a in answers]
         gold_answers = [e.answers for e in batch_examples]
-        # Ids are -1 where nothing was retrieved (closed book): counted as misses.
-        texts = [[exp.store.text(int(j)) for j in row if j >= 0] for row in doc_ids]
-        ids = [[exp.store.ids[int(j)] for j in row if j >= 0] for row in doc_ids]
-        totals = metrics.merge_metrics(
-            totals,
-            metrics.qa_metrics(answers, gold_answers, mask),
-            metrics.answer_recall(gold_answers, texts, ks, mask),
-            metrics.gold_recall(ids, [e.gold_ids for e in batch_examples], ks, mask),
-        )
+        ids = []
+        if isinstance(exp.retriever, retriever.ClosedBook):  # nothing retrieved: no recall
+            totals = metrics.merge_metrics(totals, metrics.qa_metrics(answers, gold_answers, mask))
+        else:
+            texts = [[exp.store.text(int(j)) for j in row] for row in doc_ids]
+            ids = [[exp.store.ids[int(j)] for j in row] for row in doc_ids]
+            totals = metrics.merge_metrics(
+                totals,
+                metrics.qa_metrics(answers, gold_answers, mask),
+                metrics.answer_recall(gold_answers, texts, ks, mask),
+                metrics.gold_recall(ids, [e.gold_ids for e in batch_examples], ks, mask),
+            )
         for row, keep in enumerate(mask):
             if keep:
                 e = batch_examples[row]
@@ -373,7 +379,7 @@ def evaluate(exp: experiment.Experiment, params, examples, *, mesh, variant: str
                         "question": e.question,
                         "prediction": answers[row],
                         "answers": list(e.answers),
-                        "retrieved": ids[row],
+                        "retrieved": ids[row] if ids else [],
                     }
                 )
     return metrics.reduce_metrics(totals), predictions

@@ -83,7 +83,7 @@ def get_config():
     config.rag.closed_book = False  # no retrieval: the question alone (needs n_docs=1)
 
     config.retrieval = ml_collections.ConfigDict()
-    config.retrieval.index = "exact"  # exact | scann
+    config.retrieval.index = "exact"  # exact | scann (host) | device (sharded over the devices)
     config.retrieval.passage_max_length = 48  # passage-encoder tokens per passage
     config.retrieval.passage_format = "pair"  # pair: title [SEP] text (DPR) | single
     config.retrieval.encode_batch_size = 256
@@ -103,8 +103,10 @@ def get_config():
     config.train.decay = "linear"  # linear | polynomial | constant
     config.train.decay_power = 1.0  # for polynomial decay
     config.train.end_lr_factor = 0.0  # final learning rate = learning_rate * this
-    config.train.retriever_lr_factor = 0.03  # question-encoder learning rate / learning_rate
-    config.train.retriever_delay_steps = 0  # the question encoder starts learning at this step
+    config.train.retriever_lr_factor = 0.3  # question-encoder learning rate / learning_rate
+    # The question encoder waits until the generator reads its contexts (~step 100 here); before
+    # that its gradient is noise that undoes the warm start.
+    config.train.retriever_delay_steps = 100
     config.train.weight_decay = 0.01
     config.train.no_decay = r"(bias|scale|ln|final_logits_bias)"  # paths without weight decay
     config.train.adam_b1 = 0.9

@@ -1,0 +1,30 @@
+r"""The feedback-loop experiment's shared config (`experiments/feedback_loop.py` sets the rows).
+
+    python experiments/feedback_loop.py --out /tmp/feedback
+
+The default job's world and models (`default.py`), with learning curves recorded every
+`eval.every` steps. `quick=True` is the scaled-down version the regular tests run.
+"""
+
+import importlib.util
+import pathlib
+
+# Loaded by path, so this file also works through `--config experiments/configs/feedback.py`.
+_spec = importlib.util.spec_from_file_location(
+    "default", pathlib.Path(__file__).with_name("default.py")
+)
+default = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(default)
+
+REFRESH_EVERY = 100  # row 4: steps between re-encodings of the corpus
+HOT_SWAP_FRACTION = 0.25  # of the held-out facts whose answers are edited
+
+
+def get_config(quick: bool = False):
+    config = default.get_config()
+    config.eval.every = 100
+    if quick:
+        config.data.num_entities = 40
+        config.train.steps = 200
+        config.eval.every = 0
+    return config
