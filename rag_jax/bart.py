@@ -11,6 +11,7 @@ Legend: B batch, S source length, T target length, H hidden (d_model), V vocab.
 
 import dataclasses
 import functools
+import math
 
 import flax.linen as nn
 import jax
@@ -185,10 +186,16 @@ class Bart(nn.Module):
         tokens continue the cached prefix; positions and causal masking come from the cache, and
         `encoded` may be None because the cross-attention keys/values are cached.
 
+        Encoder outputs may be shared by groups of k decoder rows (beams, or candidate answers
+        rescored against the same contexts), so their cross-attention keys and values are
+        computed once: `encoded` [B / k, S, H] serves decoder rows laid out (r, j), and
+        `encoded` [G, m, S, H] serves decoder rows laid out (g, j, i) (row g * k * m + j * m + i
+        reads encoder row (g, i)); `encoder_mask` then has the leading dims of `encoded`.
+
         Args:
           decoder_input_ids: [B, T] int.
-          encoded: [B, S, H] encoder output, or None in incremental mode.
-          encoder_mask: [B, S] 1 = token, 0 = padding.
+          encoded: [B, S, H] encoder output (or shared, see above), or None in incremental mode.
+          encoder_mask: [B, S] 1 = token, 0 = padding (or the leading dims of `encoded`).
           decoder_mask: [B, T] optional decoder padding mask (teacher forcing only).
           decode: incremental decoding with the cache.
           deterministic: disables dropout.
@@ -199,7 +206,7 @@ class Bart(nn.Module):
         cfg = self.config
         _check_ids("decoder_input_ids", decoder_input_ids, cfg.max_position_embeddings)
         length = decoder_input_ids.shape[1]
-        cross_mask = layers.padding_mask(None, encoder_mask)  # -> [B, 1, 1, S]
+        cross_mask = layers.padding_mask(None, encoder_mask)  # -> [B, 1, 1, S] or [G, m, 1, 1, S]
         self_mask = layers.causal_mask(length)  # -> [1, 1, T, T]
         if not decode and decoder_mask is not None:
             if decoder_mask.shape != decoder_input_ids.shape:
@@ -242,22 +249,31 @@ class Bart(nn.Module):
 
 
 def init_cache(
-    model: Bart, params, encoded: jax.Array, encoder_mask: jax.Array, max_length: int
+    model: Bart,
+    params,
+    encoded: jax.Array,
+    encoder_mask: jax.Array,
+    max_length: int,
+    group_size: int = 1,
 ) -> dict:
     """Creates the decode cache for `max_length` steps, cross-attention keys/values included.
 
     Args:
       model: the Bart module.
       params: its parameters (the `params` collection).
-      encoded: [B, S, H] encoder output.
-      encoder_mask: [B, S].
+      encoded: [E, S, H] encoder output, or [G, m, S, H] (E = G * m); see `Bart.decode`.
+      encoder_mask: [E, S] (or [G, m, S]).
       max_length: number of decoder positions the cache holds.
+      group_size: k, decoder rows reading each encoder row (B = E * k decoder rows).
 
     Returns:
-      The `cache` collection: per decoder layer [B, max_length, h, d] self-attention buffers and
-      [B, S, h, d] cross-attention keys/values, plus the scalar decode position.
+      The `cache` collection: per decoder layer head-major self-attention buffers
+      (`cached_key` [B, h, d, max_length], `cached_value` [B, h, max_length, d]) and
+      cross-attention keys/values (`cross_key` [..., h, d, S], `cross_value` [..., h, S, d] with
+      the leading dims of `encoded`), plus the scalar decode positions.
     """
-    dummy = jnp.zeros((encoded.shape[0], max_length), jnp.int32)
+    rows = math.prod(encoded.shape[:-2]) * group_size
+    dummy = jnp.zeros((rows, max_length), jnp.int32)
     _, variables = model.apply(
         {"params": params},
         dummy,

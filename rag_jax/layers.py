@@ -19,8 +19,14 @@ import jax.numpy as jnp
 # uniform (not NaN) distribution, as in the PyTorch reference.
 MASK_VALUE = jnp.finfo(jnp.float32).min
 
+
+def _gelu_erf(x: jax.Array) -> jax.Array:
+    """Exact GELU in the reference's erf form; XLA's erf is cheaper than the erfc of jax.nn.gelu."""
+    return x * 0.5 * (1.0 + jax.lax.erf(x * jnp.asarray(2.0**-0.5, x.dtype)))
+
+
 ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
-    "gelu": functools.partial(jax.nn.gelu, approximate=False),  # exact erf GELU (BERT, BART)
+    "gelu": _gelu_erf,  # exact erf GELU (BERT, BART)
     "gelu_new": functools.partial(jax.nn.gelu, approximate=True),
     "gelu_pytorch_tanh": functools.partial(jax.nn.gelu, approximate=True),
     "relu": jax.nn.relu,
@@ -48,18 +54,38 @@ def dense(features: int, init_std: float, dtype, param_dtype, name: str) -> nn.D
     )
 
 
+class KeyDense(nn.Dense):
+    """The attention key projection: a biased dense layer whose bias is kept but not applied.
+
+    The key bias adds `q . b` to every logit of a query row, which the softmax cancels, so it
+    changes nothing but rounding. Leaving it out saves work and makes its gradient exactly
+    zero, as it is mathematically (computed, it would be rounding noise). The parameter stays in
+    the tree, initialised as `nn.Dense` does, so checkpoints keep their layout.
+    """
+
+    @nn.compact
+    def __call__(self, inputs: jax.Array) -> jax.Array:
+        kernel = self.param(
+            "kernel", self.kernel_init, (inputs.shape[-1], self.features), self.param_dtype
+        )
+        self.param("bias", self.bias_init, (self.features,), self.param_dtype)
+        inputs, kernel = self.promote_dtype(inputs, kernel, dtype=self.dtype)
+        return jax.lax.dot_general(inputs, kernel, (((inputs.ndim - 1,), (0,)), ((), ())))
+
+
 def padding_mask(query_mask: jax.Array | None, key_mask: jax.Array) -> jax.Array:
     """Boolean attention mask from padding masks.
 
     Args:
       query_mask: [B, T] (1 = real token) or None (all queries real; padded queries attend anyway).
-      key_mask: [B, S] 1 = real token, 0 = padding.
+      key_mask: [B, S] 1 = real token, 0 = padding; or [G, m, S] for keys shared by groups of
+        query rows (see `Attention`).
 
     Returns:
-      [B, 1, T or 1, S] bool, True where attention is allowed.
+      [B, 1, 1, S] (or [G, m, 1, 1, S]) bool, True where attention is allowed.
     """
     del query_mask  # Padded queries still attend (their outputs are ignored), as in the reference.
-    return key_mask.astype(bool)[:, None, None, :]
+    return key_mask.astype(bool)[..., None, None, :]
 
 
 def causal_mask(length: int) -> jax.Array:
@@ -70,11 +96,19 @@ def causal_mask(length: int) -> jax.Array:
 class Attention(nn.Module):
     """Multi-head attention with biased q/k/v/out projections (BERT and BART layout).
 
-    With `decode=True`, keys and values are kept in the `cache` collection:
-    - self-attention (`cross=False`): a [B, L, h, d] buffer filled one chunk per call, L fixed by
-      the query length of the call that creates the cache;
-    - cross-attention (`cross=True`): the projected encoder keys and values, computed once when the
-      cache is created and reused at every step (the encoder output is then ignored).
+    Keys and values may be shared by groups of query rows: with `kv` of shape [G, m, S, H] (or a
+    cross cache made from one) and `x` of [G * k * m, T, H], query row (g, j, i) (laid out
+    g * k * m + j * m + i) attends to kv row (g, i). This is how k beams, or k candidate answers,
+    read the same encoder output without copying it k times: the k rows join the query axis of
+    one head-major matmul. A 3-D `kv` [R, S, H] with `x` of [R * k, T, H] is the case m = 1.
+
+    With `decode=True`, keys and values are kept in the `cache` collection, head-major:
+    - self-attention (`cross=False`): `cached_key` [B, h, d, L] and `cached_value` [B, h, L, d],
+      filled one chunk per call, L fixed by the query length of the call that creates the cache;
+    - cross-attention (`cross=True`): the projected encoder keys `cross_key` [..., h, d, S] and
+      values `cross_value` [..., h, S, d] (leading dims those of `kv`), computed once when the
+      cache is created and reused at every step (the encoder output is then ignored). They never
+      change, so a beam search can keep them out of the state it reorders.
     Create the cache by calling the model once with `decode=True` and `mutable=["cache"]` on an
     input of the full decode length; that first call does not write to it.
     """
@@ -100,9 +134,11 @@ class Attention(nn.Module):
 
         Args:
           x: [B, T, H] queries' input.
-          kv: [B, S, H] keys' and values' input, or None for self-attention.
-          mask: bool, broadcastable to [B, h, T, S]; True = allowed. In self-attention decode mode
-            it is ignored: the cache applies causal masking by position.
+          kv: [B, S, H] keys' and values' input, or [B / k, S, H] or [G, m, S, H] shared by
+            groups of query rows (see the class docstring); None for self-attention.
+          mask: bool, broadcastable to [B, h, T, S] (to [G, m, h, k * T, S] for a 4-D `kv`);
+            True = allowed. In self-attention decode mode it is ignored: the cache applies
+            causal masking by position.
           deterministic: disables dropout.
 
         Returns:
@@ -110,59 +146,104 @@ class Attention(nn.Module):
         """
         if self.hidden % self.num_heads:
             raise ValueError(f"hidden {self.hidden} is not divisible by heads {self.num_heads}")
-        head_dim = self.hidden // self.num_heads
         proj = functools.partial(dense, self.hidden, self.init_std, self.dtype, self.param_dtype)
         batch, length = x.shape[:2]
-        split = lambda y: y.reshape(y.shape[0], y.shape[1], self.num_heads, head_dim)  # noqa: E731
 
-        query = split(proj("query")(x))  # -> [B, T, h, d]
+        # Scaling the queries costs [B, T, H] multiplications instead of [B, h, T, S].
+        scale = jnp.asarray((self.hidden // self.num_heads) ** -0.5, self.dtype)
+        query = self._split(proj("query")(x) * scale)  # -> [B, T, h, d]
         if self.cross and self.decode:
             key, value = self._cross_cache(kv, proj)
         else:
             source = x if kv is None else kv
-            key = split(proj("key")(source))  # -> [B, S, h, d]
-            value = split(proj("value")(source))
+            key, value = self._head_major(proj, source)  # -> [..., h, d, S], [..., h, S, d]
             if self.decode:
-                key, value, mask = self._self_cache(key, value, batch, length)
+                key, value, mask = self._self_cache(key, value, length)
 
         # Head-major batched matmuls: on CPU this layout runs about twice as fast as the
         # equivalent einsum over [B, T, h, d] (measured at B=32, S=256 in the encode benchmark).
-        query = query.transpose(0, 2, 1, 3)  # -> [B, h, T, d]
-        key = key.transpose(0, 2, 3, 1)  # -> [B, h, d, S]
-        value = value.transpose(0, 2, 1, 3)  # -> [B, h, S, d]
+        if key.ndim == 4 and key.shape[0] == batch:
+            query = query.transpose(0, 2, 1, 3)  # -> [B, h, T, d]
+        else:
+            # Shared keys/values: the k query rows of a group become extra query positions.
+            outer, inner = key.shape[:2] if key.ndim == 5 else (key.shape[0], 1)
+            group = batch // (outer * inner)
+            if group * outer * inner != batch:
+                raise ValueError(
+                    f"query rows {x.shape} are not a multiple of the key/value rows "
+                    f"{key.shape[:-3]}"
+                )
+            query = query.reshape(outer, group, inner, length, self.num_heads, -1)
+            query = query.transpose(0, 2, 4, 1, 3, 5)  # -> [G, m, h, k, T, d]
+            query = query.reshape(outer, inner, self.num_heads, group * length, -1)
+            key = key.reshape((outer, inner) + key.shape[-3:])  # -> [G, m, h, d, S]
+            value = value.reshape((outer, inner) + value.shape[-3:])  # -> [G, m, h, S, d]
+            if mask is not None and mask.ndim == 4:
+                mask = mask[:, None]  # [G, 1, T, S] -> [G, 1, 1, T, S]
         # Logits accumulate in float32 even under bfloat16 compute; softmax runs in float32.
-        logits = jnp.matmul(query, key, preferred_element_type=jnp.float32)  # -> [B, h, T, S]
-        logits = logits * (head_dim**-0.5)
+        logits = jnp.matmul(query, key, preferred_element_type=jnp.float32)  # -> [.., h, T, S]
         if mask is not None:
             logits = jnp.where(mask, logits, MASK_VALUE)
-        probs = jax.nn.softmax(logits, axis=-1).astype(self.dtype)
+        # Softmax with the normalisation deferred to after the value product: the division runs
+        # over [.., T, d] instead of [.., T, S], and the [.., T, S] probabilities are never
+        # written (about twice as fast, forward and backward, on CPU). Dropout of the
+        # probabilities is dropout of the unnormalised weights, the sum staying undropped.
+        peak = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
+        weights = jnp.exp(logits - peak)
+        total = jnp.sum(weights, axis=-1, keepdims=True)  # -> [.., h, T, 1]
         if not deterministic and self.dropout_rate > 0.0:
-            probs = nn.Dropout(self.dropout_rate)(probs, deterministic=False)
-        out = jnp.matmul(probs, value)  # -> [B, h, T, d]
-        out = out.transpose(0, 2, 1, 3).reshape(batch, length, self.hidden)  # -> [B, T, H]
-        return proj("out")(out)
+            weights = nn.Dropout(self.dropout_rate)(weights, deterministic=False)
+        out = jnp.matmul(weights.astype(self.dtype), value)  # -> [B, h, T, d] or [G, m, h, kT, d]
+        out = (out / total).astype(self.dtype)
+        if out.ndim == 4:
+            out = out.transpose(0, 2, 1, 3)  # -> [B, T, h, d]
+        else:
+            outer, inner = out.shape[:2]
+            out = out.reshape(outer, inner, self.num_heads, -1, length, out.shape[-1])
+            out = out.transpose(0, 3, 1, 4, 2, 5)  # -> [G, k, m, T, h, d]
+        return proj("out")(out.reshape(batch, length, self.hidden))  # -> [B, T, H]
+
+    def _split(self, y: jax.Array) -> jax.Array:
+        """[..., S, H] -> [..., S, h, d]."""
+        return y.reshape(y.shape[:-1] + (self.num_heads, self.hidden // self.num_heads))
+
+    def _head_major(self, proj, source: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Projected keys [..., h, d, S] and values [..., h, S, d] of `source` [..., S, H]."""
+        lead = source.ndim - 2
+        key_proj = KeyDense(
+            self.hidden,
+            dtype=self.dtype,
+            param_dtype=self.param_dtype,
+            kernel_init=nn.initializers.normal(self.init_std),
+            name="key",
+        )
+        key = self._split(key_proj(source))  # -> [..., S, h, d]
+        value = self._split(proj("value")(source))
+        axes = tuple(range(lead))
+        key = key.transpose(axes + (lead + 1, lead + 2, lead))  # -> [..., h, d, S]
+        value = value.transpose(axes + (lead + 1, lead, lead + 2))  # -> [..., h, S, d]
+        return key, value
 
     def _cross_cache(self, kv, proj):
         """Projected encoder keys/values: computed when the cache is created, then reused."""
-        head_dim = self.hidden // self.num_heads
-
-        def project(name):
-            y = proj(name)(kv)
-            return y.reshape(y.shape[0], y.shape[1], self.num_heads, head_dim)
-
         if self.has_variable("cache", "cross_key"):
             return self.get_variable("cache", "cross_key"), self.get_variable(
                 "cache", "cross_value"
             )
         if kv is None:
             raise ValueError("cross-attention cache is not initialised and no encoder output given")
-        key, value = project("key"), project("value")
+        key, value = self._head_major(proj, kv)
         self.variable("cache", "cross_key", lambda: key)
         self.variable("cache", "cross_value", lambda: value)
         return key, value
 
-    def _self_cache(self, key, value, batch, length):
-        """Writes this call's keys/values at the cache index; returns the whole cache + mask."""
+    def _self_cache(self, key, value, length):
+        """Writes this call's keys/values at the cache index; returns the whole cache + mask.
+
+        Args:
+          key: [B, h, d, T]; value: [B, h, T, d] of this call's T positions.
+          length: T.
+        """
         initialised = self.has_variable("cache", "cached_key")
         cached_key = self.variable("cache", "cached_key", jnp.zeros, key.shape, key.dtype)
         cached_value = self.variable("cache", "cached_value", jnp.zeros, value.shape, value.dtype)
@@ -170,14 +251,14 @@ class Attention(nn.Module):
         if not initialised:
             # The creating call sizes the cache and runs as plain causal self-attention.
             return key, value, causal_mask(length)
-        max_length = cached_key.value.shape[1]
+        max_length = cached_value.value.shape[2]
         start = index.value
         zero = jnp.array(0, jnp.int32)
         cached_key.value = jax.lax.dynamic_update_slice(
-            cached_key.value, key.astype(cached_key.value.dtype), (zero, start, zero, zero)
+            cached_key.value, key.astype(cached_key.value.dtype), (zero, zero, zero, start)
         )
         cached_value.value = jax.lax.dynamic_update_slice(
-            cached_value.value, value.astype(cached_value.value.dtype), (zero, start, zero, zero)
+            cached_value.value, value.astype(cached_value.value.dtype), (zero, zero, start, zero)
         )
         index.value = start + length
         # Query t (absolute position start + t) sees cached keys at positions <= start + t.

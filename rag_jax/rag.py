@@ -102,17 +102,9 @@ def question_embeddings(
     Returns:
       [B, D] float32.
     """
-    model = bert.BertEncoder(cfg.question_encoder)
-    rngs = {} if dropout_rng is None else {"dropout": dropout_rng}
-    q, _ = model.apply(
-        {"params": params["question_encoder"]},
-        input_ids,
-        attention_mask,
-        None,
-        dropout_rng is None,
-        rngs=rngs,
+    return _pooled(
+        cfg.question_encoder, params["question_encoder"], input_ids, attention_mask, dropout_rng
     )
-    return q
 
 
 def passage_embeddings(
@@ -134,16 +126,16 @@ def passage_embeddings(
     Returns:
       [M, D] float32.
     """
+    return _pooled(passage_cfg, params["passage_encoder"], input_ids, attention_mask, dropout_rng)
+
+
+def _pooled(cfg: bert.BertConfig, params, input_ids, attention_mask, dropout_rng) -> jax.Array:
+    """A BERT tower's pooled output [M, D]; dropout on when `dropout_rng` is given."""
     rngs = {} if dropout_rng is None else {"dropout": dropout_rng}
-    d, _ = bert.BertEncoder(passage_cfg).apply(
-        {"params": params["passage_encoder"]},
-        input_ids,
-        attention_mask,
-        None,
-        dropout_rng is None,
-        rngs=rngs,
+    pooled, _ = bert.BertEncoder(cfg).apply(
+        {"params": params}, input_ids, attention_mask, None, dropout_rng is None, rngs=rngs
     )
-    return d
+    return pooled
 
 
 def _check_contexts(context_input_ids, context_attention_mask, doc_scores, n_docs):
@@ -342,29 +334,35 @@ def loss_fn(
 # Generation
 
 
-def _without_positions(cache: dict) -> tuple[dict, tuple]:
-    """Splits the scalar decode positions out of a Bart cache (the search tracks the step)."""
+def _split_cache(cache: dict) -> tuple[dict, dict, tuple]:
+    """Splits a Bart decode cache into what a search carries and what stays fixed.
+
+    Returns:
+      carried: the self-attention buffers, leaves [B * K * m, ...] (reordered with the beams).
+      constants: flat {path: array} of the cross-attention keys/values, one copy per context:
+        identical for every beam, so they stay out of the loop state as loop constants.
+      scalars: paths of the scalar decode positions (the search tracks the step itself).
+    """
     flat = flax.traverse_util.flatten_dict(flax.core.unfreeze(cache))
     scalars = tuple(k for k, v in flat.items() if jnp.ndim(v) == 0)
-    return flax.traverse_util.unflatten_dict(
-        {k: v for k, v in flat.items() if k not in scalars}
-    ), scalars
+    constants = {k: v for k, v in flat.items() if k[-1] in ("cross_key", "cross_value")}
+    carried = {k: v for k, v in flat.items() if k not in constants and k not in scalars}
+    return flax.traverse_util.unflatten_dict(carried), constants, scalars
 
 
-def _with_positions(cache: dict, scalars: tuple, step: jax.Array) -> dict:
-    flat = flax.traverse_util.flatten_dict(cache)
-    flat.update({k: jnp.asarray(step, jnp.int32) for k in scalars})
-    return flax.traverse_util.unflatten_dict(flat)
-
-
-def _generator_step_fn(cfg: RagConfig, params: dict, encoder_mask: jax.Array, scalars, reps: int):
+def _generator_step_fn(
+    cfg: RagConfig, params: dict, encoder_mask: jax.Array, constants: dict, scalars, reps: int
+):
     """`(flat_ids [R, 1], cache, step) -> (logits [R * reps, V], cache)` for the searches."""
     model = bart.Bart(cfg.generator)
 
     def step_fn(flat_ids, cache, step):
         ids = jnp.repeat(flat_ids, reps, axis=0)  # -> [R * reps, 1]
+        flat = flax.traverse_util.flatten_dict(cache)
+        flat.update(constants)
+        flat.update({k: jnp.asarray(step, jnp.int32) for k in scalars})
         logits, variables = model.apply(
-            {"params": params["generator"], "cache": _with_positions(cache, scalars, step)},
+            {"params": params["generator"], "cache": flax.traverse_util.unflatten_dict(flat)},
             ids,
             None,
             encoder_mask,
@@ -373,34 +371,38 @@ def _generator_step_fn(cfg: RagConfig, params: dict, encoder_mask: jax.Array, sc
             method=bart.Bart.decode,
             mutable=["cache"],
         )
-        return logits[:, 0], _without_positions(variables["cache"])[0]
+        return logits[:, 0], _split_cache(variables["cache"])[0]
 
     return step_fn
 
 
-def _expand(x: jax.Array, batch: int, beams: int) -> jax.Array:
-    """[B * m, ...] -> [B * K * m, ...] laid out (b, k, ...)."""
-    split = x.reshape((batch, 1, -1) + x.shape[1:])
-    split = jnp.broadcast_to(split, (batch, beams) + split.shape[2:])
-    return split.reshape((-1,) + x.shape[1:])
+def _encode(cfg, params, flat_ids, flat_mask):
+    """[B * N, S] contexts -> [B * N, S, H] generator encoder output."""
+    return bart.Bart(cfg.generator).apply(
+        {"params": params["generator"]}, flat_ids, flat_mask, method=bart.Bart.encode
+    )
 
 
-def _search(cfg, params, flat_ids, flat_mask, settings, *, batch, docs_per_row, post_fn=None):
-    """Runs beam or greedy search over contexts laid out [batch * docs_per_row, S].
+def _search(cfg, params, encoded, flat_mask, settings, *, batch, docs_per_row, post_fn=None):
+    """Runs beam or greedy search over encoded contexts laid out [batch * docs_per_row, S, H].
 
     With `docs_per_row = N` and `post_fn` marginalising docs, this is RAG-Token decoding; with
-    `docs_per_row = 1` it is plain BART decoding of every context (RAG-Sequence candidates).
+    `docs_per_row = 1` it is plain BART decoding of every context (RAG-Sequence candidates). The
+    decoder rows are laid out (b, k, n); each context's cross-attention keys/values are computed
+    once and shared by its K beams.
     """
     beams = settings["num_beams"]
     model = bart.Bart(cfg.generator)
-    encoded = model.apply(
-        {"params": params["generator"]}, flat_ids, flat_mask, method=bart.Bart.encode
+    mask = flat_mask
+    if docs_per_row > 1 and beams > 1:
+        # Decoder row (b, k, n) reads context (b, n): see `bart.Bart.decode`.
+        encoded = encoded.reshape((batch, docs_per_row) + encoded.shape[1:])  # -> [B, N, S, H]
+        mask = flat_mask.reshape(batch, docs_per_row, -1)  # -> [B, N, S]
+    cache = bart.init_cache(
+        model, params["generator"], encoded, mask, settings["max_length"], group_size=beams
     )
-    enc = _expand(encoded, batch, beams)  # -> [B * K * m, S, H]
-    mask = _expand(flat_mask, batch, beams)
-    cache = bart.init_cache(model, params["generator"], enc, mask, settings["max_length"])
-    cache, scalars = _without_positions(cache)
-    step_fn = _generator_step_fn(cfg, params, mask, scalars, docs_per_row)
+    cache, constants, scalars = _split_cache(cache)
+    step_fn = _generator_step_fn(cfg, params, mask, constants, scalars, docs_per_row)
     if post_fn is not None:
         step_fn = post_fn(step_fn)
     common = {k: v for k, v in settings.items() if k not in ("num_beams", "num_return_sequences")}
@@ -481,11 +483,11 @@ def generate(
     batch = doc_scores.shape[0]
     s = _settings(cfg, settings)
     if variant == "token":
+        beam_scores = jnp.repeat(doc_scores, s["num_beams"], axis=0)  # -> [B * K, N]
 
         def marginalise(step_fn):
             def fn(flat_ids, cache, step):
                 logits, cache = step_fn(flat_ids, cache, step)  # [B * K * N, V]
-                beam_scores = jnp.repeat(doc_scores, s["num_beams"], axis=0)  # -> [B * K, N]
                 marginal = rag_math.rag_token_marginalize(logits[:, None], beam_scores, n_docs)
                 return marginal[:, 0], cache
 
@@ -494,7 +496,7 @@ def generate(
         seqs, _ = _search(
             cfg,
             params,
-            context_input_ids,
+            _encode(cfg, params, context_input_ids, context_attention_mask),
             context_attention_mask,
             s,
             batch=batch,
@@ -511,13 +513,16 @@ def generate(
 
     beams, num_return = s["num_beams"], s["num_return_sequences"]
     per_doc = dict(s, num_return_sequences=beams)
-    search_mask = (
-        context_attention_mask if mask_candidate_contexts else jnp.ones_like(context_attention_mask)
-    )
+    encoded = _encode(cfg, params, context_input_ids, context_attention_mask)
+    if mask_candidate_contexts:
+        search_mask, search_encoded = context_attention_mask, encoded
+    else:
+        search_mask = jnp.ones_like(context_attention_mask)
+        search_encoded = _encode(cfg, params, context_input_ids, search_mask)
     hyps, hyp_scores = _search(
         cfg,
         params,
-        context_input_ids,
+        search_encoded,
         search_mask,
         per_doc,
         batch=batch * n_docs,
@@ -535,7 +540,7 @@ def generate(
         )
     else:
         scores = -_thorough_nll(
-            cfg, params, context_input_ids, context_attention_mask, doc_scores, candidates
+            cfg, params, encoded, context_attention_mask, doc_scores, candidates
         )
     top, _ = rag_math.select_top_candidates(
         candidates, scores, num_return, deduplicate=cfg.do_deduplication
@@ -543,20 +548,20 @@ def generate(
     return top[:, 0] if num_return == 1 else top
 
 
-def _thorough_nll(cfg, params, flat_ids, flat_mask, doc_scores, candidates):
-    """[B, M] RAG-Sequence NLL of every candidate against all its question's docs."""
+def _thorough_nll(cfg, params, encoded, flat_mask, doc_scores, candidates):
+    """[B, M] RAG-Sequence NLL of every candidate against all its question's docs.
+
+    `encoded` [B * N, S, H] is read by the M candidates of each question without copies: decoder
+    row (b, m, n) attends to context (b, n) (see `bart.Bart.decode`).
+    """
     batch, num_candidates, length = candidates.shape
     n_docs = cfg.n_docs
-    model = bart.Bart(cfg.generator)
-    encoded = model.apply(
-        {"params": params["generator"]}, flat_ids, flat_mask, method=bart.Bart.encode
-    )  # [B * N, S, H]
-    enc = _expand(encoded, batch, num_candidates)  # -> [B * M * N, S, H], rows (b, m, n)
-    mask = _expand(flat_mask, batch, num_candidates)
+    encoded = encoded.reshape((batch, n_docs) + encoded.shape[1:])  # -> [B, N, S, H]
+    mask = flat_mask.reshape(batch, n_docs, -1)  # -> [B, N, S]
     dec = jnp.repeat(candidates.reshape(batch * num_candidates, length), n_docs, axis=0)
-    logits = model.apply(
-        {"params": params["generator"]}, dec, enc, mask, method=bart.Bart.decode
-    )  # -> [B * M * N, L, V]
+    logits = bart.Bart(cfg.generator).apply(
+        {"params": params["generator"]}, dec, encoded, mask, method=bart.Bart.decode
+    )  # -> [B * M * N, L, V], rows (b, m, n)
     return rag_math.rag_sequence_thorough_nll(
         logits,
         doc_scores,

@@ -124,13 +124,37 @@ def _shift_left(target: jax.Array, pad_token_id: int) -> jax.Array:
     return jnp.concatenate([target[:, 1:], pad], axis=1)
 
 
+def _smoothing(epsilon) -> bool:
+    """Whether the label-smoothing term is needed (a Python 0 skips its [.., V] sums)."""
+    return not (isinstance(epsilon, int | float) and epsilon == 0)
+
+
+def _token_logprobs(seq_logits: jax.Array, target: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Log-probabilities of the targets, without materialising the [.., V] log-softmax.
+
+    Args:
+      seq_logits: [B, N, T, V] logits.
+      target: [B, T] token ids.
+
+    Returns:
+      token_lp: [B, N, T] `log softmax(seq_logits)[target]`.
+      norm: [B, N, T] the log-normaliser `logsumexp(seq_logits)` over V.
+    """
+    batch, n_docs, length, _ = seq_logits.shape
+    index = jnp.broadcast_to(target[:, None, :, None], (batch, n_docs, length, 1))
+    picked = jnp.take_along_axis(seq_logits, index, axis=-1)[..., 0]  # -> [B, N, T]
+    norm = jax.nn.logsumexp(seq_logits, axis=-1)  # [B, N, T]
+    return picked - norm, norm
+
+
 def _sequence_doc_terms(
     seq_logits: jax.Array,
     doc_scores: jax.Array,
     target: jax.Array,
     skip_first: jax.Array,
     pad_token_id: int,
-) -> tuple[jax.Array, jax.Array]:
+    smoothing: bool = True,
+) -> tuple[jax.Array, jax.Array | None]:
     """Per-doc RAG-Sequence log-likelihood and smoothing sums.
 
     Args:
@@ -139,16 +163,17 @@ def _sequence_doc_terms(
       target: [B, T] shifted-left targets.
       skip_first: [B] bool, whether position 0 is left out of the likelihood of each row.
       pad_token_id: positions whose target is this id are masked.
+      smoothing: compute the smoothing sums (otherwise None is returned for them).
 
     Returns:
       ll: [B, N] `log p(z|x) + sum_t log p(y_t|x, z, y_<t)` over scored positions (the prior
         only when position 1 is one of them).
-      smooth: [B, N] sum over unpadded positions and the vocab of the prior-shifted log-probs.
+      smooth: [B, N] sum over unpadded positions and the vocab of the prior-shifted log-probs,
+        or None.
     """
     batch, n_docs = doc_scores.shape
     _, length, vocab = seq_logits.shape
-    seq_logprobs = jax.nn.log_softmax(seq_logits, axis=-1)
-    seq_logprobs = seq_logprobs.reshape(batch, n_docs, length, vocab)  # -> [B, N, T, V]
+    seq_logits = seq_logits.reshape(batch, n_docs, length, vocab)  # -> [B, N, T, V]
     doc_logprobs = jax.nn.log_softmax(doc_scores, axis=1)  # [B, N]
 
     # The prior enters at position 1 only. `where` rather than a multiplication by a one-hot keeps
@@ -156,25 +181,29 @@ def _sequence_doc_terms(
     at_prior = (jnp.arange(length) == 1)[None, None, :]  # [1, 1, T]
     prior = jnp.where(at_prior, doc_logprobs[:, :, None], 0.0)  # -> [B, N, T]
 
+    not_pad = (target != pad_token_id)[:, None, :]  # [B, 1, T]
+    scored = not_pad & ~(skip_first[:, None, None] & (jnp.arange(length) == 0))  # [B, 1, T]
+    if not smoothing:
+        token_ll, _ = _token_logprobs(seq_logits, target)  # -> [B, N, T]
+        return jnp.where(scored, token_ll + prior, 0.0).sum(axis=2), None
+    seq_logprobs = jax.nn.log_softmax(seq_logits, axis=-1)  # [B, N, T, V]
     token_ll = jnp.take_along_axis(
         seq_logprobs, jnp.broadcast_to(target[:, None, :, None], (batch, n_docs, length, 1)), -1
     )[..., 0]  # -> [B, N, T]
-    token_ll = token_ll + prior
+    ll = jnp.where(scored, token_ll + prior, 0.0).sum(axis=2)
     # Summing the prior-shifted log-probs over the vocab adds V times the prior; adding it once,
     # scaled, avoids materialising a second [B, N, T, V] array.
     token_smooth = seq_logprobs.sum(axis=-1) + vocab * prior  # [B, N, T]
-
-    not_pad = (target != pad_token_id)[:, None, :]  # [B, 1, T]
-    scored = not_pad & ~(skip_first[:, None, None] & (jnp.arange(length) == 0))  # [B, 1, T]
-    ll = jnp.where(scored, token_ll, 0.0).sum(axis=2)
     smooth = jnp.where(not_pad, token_smooth, 0.0).sum(axis=2)
     return ll, smooth
 
 
 def _combine(
-    nll: jax.Array, smooth: jax.Array, epsilon: float, vocab: int, reduce: bool
+    nll: jax.Array, smooth: jax.Array | None, epsilon: float, vocab: int, reduce: bool
 ) -> jax.Array:
-    """HF's label-smoothed loss from the [B] NLL and smoothing terms."""
+    """HF's label-smoothed loss from the [B] NLL and smoothing terms (None: no smoothing)."""
+    if smooth is None:
+        return nll.sum() if reduce else nll
     if reduce:
         nll, smooth = nll.sum(), smooth.sum()
     return (1.0 - epsilon) * nll + (epsilon / vocab) * smooth
@@ -218,9 +247,12 @@ def rag_sequence_nll(
     else:
         use_bos = jnp.zeros((), bool)
     skip_first = jnp.broadcast_to(use_bos, (batch,))
-    ll, smooth = _sequence_doc_terms(seq_logits, doc_scores, target, skip_first, pad_token_id)
+    ll, smooth = _sequence_doc_terms(
+        seq_logits, doc_scores, target, skip_first, pad_token_id, _smoothing(epsilon)
+    )
     nll = -jax.nn.logsumexp(ll, axis=1)  # [B]
-    smooth = -jax.nn.logsumexp(smooth, axis=1)
+    if smooth is not None:
+        smooth = -jax.nn.logsumexp(smooth, axis=1)
     return _combine(nll, smooth, epsilon, vocab, reduce)
 
 
@@ -268,11 +300,19 @@ def rag_token_nll(
     Returns:
       [B] per-question loss, or a scalar sum when `reduce`.
     """
-    _, _, _, vocab = _check_nll_inputs(seq_logits, doc_scores, target, n_docs)
+    batch, _, length, vocab = _check_nll_inputs(seq_logits, doc_scores, target, n_docs)
     target = _shift_left(target, pad_token_id)
+    not_pad = target != pad_token_id
+    if not _smoothing(epsilon):
+        # Only the targets' mixture probabilities are needed: mix the N docs' [B, N, T] target
+        # log-probs instead of whole [B, N, T, V] distributions.
+        token_lp, _ = _token_logprobs(seq_logits.reshape(batch, n_docs, length, vocab), target)
+        doc_logprobs = jax.nn.log_softmax(doc_scores, axis=1)  # [B, N]
+        token_ll = jax.nn.logsumexp(token_lp + doc_logprobs[:, :, None], axis=1)  # -> [B, T]
+        nll = -jnp.where(not_pad, token_ll, 0.0).sum(axis=1)  # [B]
+        return _combine(nll, None, epsilon, vocab, reduce)
     rag_logprobs = rag_token_marginalize(seq_logits, doc_scores, n_docs)  # [B, T, V]
     token_ll = jnp.take_along_axis(rag_logprobs, target[:, :, None], axis=-1)[..., 0]  # -> [B, T]
-    not_pad = target != pad_token_id
     nll = -jnp.where(not_pad, token_ll, 0.0).sum(axis=1)  # [B]
     smooth = -jnp.where(not_pad, rag_logprobs.sum(axis=-1), 0.0).sum(axis=1)
     return _combine(nll, smooth, epsilon, vocab, reduce)
@@ -325,10 +365,11 @@ def rag_sequence_thorough_nll(
         use_bos = jnp.zeros((batch,), bool)
     skip_first = jnp.repeat(use_bos, num_candidates)  # -> [B * M]
     ll, smooth = _sequence_doc_terms(
-        flat_seq_logits, flat_doc_scores, flat_target, skip_first, pad_token_id
+        flat_seq_logits, flat_doc_scores, flat_target, skip_first, pad_token_id, _smoothing(epsilon)
     )
     nll = -jax.nn.logsumexp(ll, axis=1)  # [B * M]
-    smooth = -jax.nn.logsumexp(smooth, axis=1)
+    if smooth is not None:
+        smooth = -jax.nn.logsumexp(smooth, axis=1)
     return _combine(nll, smooth, epsilon, vocab, reduce=False).reshape(batch, num_candidates)
 
 

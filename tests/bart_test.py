@@ -79,6 +79,64 @@ def test_incremental_decoding_equals_teacher_forcing(tiny_bart):
     np.testing.assert_allclose(np.concatenate([first, rest], 1), full, atol=1e-5, rtol=0)
 
 
+def test_shared_encoder_rows_equal_copies(tiny_bart):
+    """Decoder rows sharing encoder rows (beams, rescored candidates) equal explicit copies.
+
+    G = 2 groups of m = 3 contexts, k = 2 decoder rows per context; row (g, j, i) reads context
+    (g, i) with a 4-D encoder output, and row (e, j) reads context e with a 3-D one. Checked
+    teacher-forced and with the incremental cache.
+    """
+    _, cfg, params = tiny_bart
+    (ids_a, mask_a, _), (ids_b, mask_b, _) = _inputs(cfg, seed=5), _inputs(cfg, seed=6)
+    ids, mask = np.concatenate([ids_a, ids_b]), np.concatenate([mask_a, mask_b])  # -> [6, S]
+    groups, contexts, k, length = 2, 3, 2, 5
+    model = bart.Bart(cfg)
+    encoded = model.apply({"params": params}, ids, mask, method=bart.Bart.encode)  # [6, S, H]
+    rows = groups * k * contexts
+    dec = np.random.default_rng(5).integers(3, cfg.vocab_size, size=(rows, length))
+    g, j, i = np.unravel_index(np.arange(rows), (groups, k, contexts))
+    layouts = {
+        "grouped": (
+            encoded.reshape((groups, contexts) + encoded.shape[1:]),
+            mask.reshape(groups, contexts, -1),
+            g * contexts + i,  # the context each decoder row reads
+        ),
+        "per_context": (encoded, mask, np.arange(rows) // k),
+    }
+    for name, (shared, shared_mask, source) in layouts.items():
+        copies, copies_mask = encoded[source], mask[source]
+        want = model.apply({"params": params}, dec, copies, copies_mask, method=bart.Bart.decode)
+        got = model.apply({"params": params}, dec, shared, shared_mask, method=bart.Bart.decode)
+        np.testing.assert_allclose(got, want, atol=1e-5, rtol=0, err_msg=name)
+        cache = bart.init_cache(model, params, shared, shared_mask, length, group_size=k)
+        step = bart.decode_step_fn(model, params, shared_mask)
+        for t in range(length):
+            logits, cache = step(dec[:, t : t + 1], cache)
+            np.testing.assert_allclose(logits[:, 0], want[:, t], atol=1e-5, rtol=0, err_msg=name)
+    # The contexts differ, so reading the wrong one would show.
+    assert not np.allclose(want[0], want[1], atol=1e-3)
+
+
+def test_key_bias_gradient_is_exactly_zero(tiny_bart):
+    """The softmax cancels the attention key bias (the parity tests above use random biases), so
+    its gradient is zero; rag_jax returns exactly zero rather than rounding noise."""
+    _, cfg, params = tiny_bart
+    ids, mask, dec = _inputs(cfg, seed=7)
+    model = bart.Bart(cfg)
+
+    def loss(p):
+        logits, _ = model.apply({"params": p}, ids, mask, dec)
+        return jax.nn.log_softmax(logits)[..., 5].sum()
+
+    grads = jax.grad(loss)(params)
+    layer = ("decoder", "layer_0", "cross_attn", "key")
+    bias_grad = grads
+    for name in layer:
+        bias_grad = bias_grad[name]
+    np.testing.assert_array_equal(bias_grad["bias"], 0.0)
+    assert np.abs(bias_grad["kernel"]).max() > 0.0
+
+
 def test_bfloat16_compute_stays_close_to_float32(tiny_bart):
     """bfloat16 compute: log-probs within 0.1 nats of float32 (the model is tiny; errors small)."""
     _, cfg, params = tiny_bart
