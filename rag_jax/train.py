@@ -105,9 +105,10 @@ def make_optimizer(tc: ml_collections.ConfigDict, params) -> optax.GradientTrans
     else:
         raise ValueError(f"config.train.optimizer must be adamw or sgd, got {tc.optimizer!r}")
     tx = optax.chain(optax.clip_by_global_norm(tc.grad_clip), base) if tc.grad_clip else base
-    # The question encoder may learn more slowly than the generator, and may wait: until the
-    # generator reads its contexts, p(z|x,y) ~ p(z|x) and the retriever's gradient is mostly
-    # noise, which Adam turns into full-size steps that undo the warm start.
+    # The retriever towers (the question encoder, and the passage encoder when it trains) may
+    # learn more slowly than the generator, and may wait: until the generator reads its contexts,
+    # p(z|x,y) ~ p(z|x) and their gradient is mostly noise, which Adam turns into full-size steps
+    # that undo the warm start.
     delay, factor = tc.get("retriever_delay_steps", 0), tc.retriever_lr_factor
     question_tx = optax.chain(
         tx,
@@ -117,7 +118,7 @@ def make_optimizer(tc: ml_collections.ConfigDict, params) -> optax.GradientTrans
     labels = jax.tree.map(
         lambda label, q: "retriever" if label == "train" and q == "q" else label,
         labels,
-        path_labels(params, r"^question_encoder/", "q", "-"),
+        path_labels(params, r"^(question_encoder|passage_encoder)/", "q", "-"),
     )
     tx = optax.multi_transform(
         {"train": tx, "retriever": question_tx, "frozen": optax.set_to_zero()}, labels

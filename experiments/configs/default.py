@@ -103,9 +103,9 @@ def get_config():
     config.train.decay = "linear"  # linear | polynomial | constant
     config.train.decay_power = 1.0  # for polynomial decay
     config.train.end_lr_factor = 0.0  # final learning rate = learning_rate * this
-    config.train.retriever_lr_factor = 0.3  # question-encoder learning rate / learning_rate
-    # The question encoder waits until the generator reads its contexts (~step 100 here); before
-    # that its gradient is noise that undoes the warm start.
+    config.train.retriever_lr_factor = 0.3  # retriever towers' learning rate / learning_rate
+    # The retriever towers wait until the generator reads its contexts (~step 100 here); before
+    # that their gradient is noise that undoes the warm start.
     config.train.retriever_delay_steps = 100
     config.train.weight_decay = 0.01
     config.train.no_decay = r"(bias|scale|ln|final_logits_bias)"  # paths without weight decay

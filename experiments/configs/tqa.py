@@ -35,108 +35,19 @@ k = 5 it trains with, so expect somewhat less. Steps and batch are chosen for a 
 tuned here (7,000 steps of 128 is about 10 epochs of the 87,622 training questions).
 """
 
-import os
+import importlib.util
 import pathlib
 
-import ml_collections
+# nq.py holds the shared setup; loaded by path so `--config experiments/configs/tqa.py` works.
+_spec = importlib.util.spec_from_file_location("nq", pathlib.Path(__file__).with_name("nq.py"))
+nq = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(nq)
 
 
 def get_config():
-    config = ml_collections.ConfigDict()
-    config.seed = 0  # the one seed: init, dropout and batches all derive from it
-
-    config.data = ml_collections.ConfigDict()
-    config.data.source = "tfds"  # synthetic | files | tfds
+    config = nq.get_config()  # the paper's models, index, optimisation and decoding
     config.data.tfds_name = "trivia_qa/unfiltered.nocontext"
     config.data.train_split = "train"
     config.data.eval_split = "validation"  # open-domain TQA test: unfiltered dev
-    # Where `tfds build ... --file_format=array_record` wrote the data (see rag_jax/data.py).
-    config.data.tfds_data_dir = os.environ.get(
-        "TFDS_DATA_DIR", str(pathlib.Path.home() / "tensorflow_datasets")
-    )
-    config.data.corpus_path = "/data/psgs_w100.tsv"  # read only when retrieval.index_dir is ""
-    config.data.max_train = 0  # use the first N training questions; 0 = all
-    config.data.max_eval = 0  # use the first N evaluation questions; 0 = all
-    config.data.question_length = 64  # Q: question-encoder tokens per question
-    config.data.answer_length = 32  # T: label tokens (decoder start, BOS, answer, EOS, pads)
-    config.data.target = "first"  # which answer to train on: first | sample
-
-    config.model = ml_collections.ConfigDict()
-    config.model.init = "pretrained"  # random | pretrained | hf_rag (see rag_jax/experiment.py)
-    # DPR trained on the union of NQ, TQA, WQ and CT ("multiset"), and BART-large, as in the
-    # paper. `init = "hf_rag"` with `rag_path = "facebook/rag-sequence-base"` starts from the same
-    # three checkpoints bundled by HF.
-    config.model.question_encoder_path = "facebook/dpr-question_encoder-multiset-base"
-    config.model.passage_encoder_path = "facebook/dpr-ctx_encoder-multiset-base"  # the index's
-    config.model.generator_path = "facebook/bart-large"  # also the generator tokenizer
-    config.model.dtype = "bfloat16"  # compute dtype (parameters and optimizer stay float32)
-    config.model.remat = True  # rematerialise layers: BART-large over B * N contexts of 300
-    config.model.deterministic = False  # BART-large's dropout 0.1 on, as in fine-tuning
-
-    config.warm_start = ml_collections.ConfigDict()
-    config.warm_start.method = "none"  # ict | none (DPR is already a trained retriever)
-    config.warm_start.steps = 0
-    config.warm_start.batch_size = 64
-    config.warm_start.learning_rate = 3e-3
-    config.warm_start.keep_prob = 0.1
-    config.warm_start.cache_dir = ""  # where a warm start is cached ("" = the workdir)
-
-    config.rag = ml_collections.ConfigDict()
-    config.rag.variant = "sequence"  # sequence | token
-    config.rag.n_docs = 5  # N: k = 5 passages per question in training, as in the paper
-    config.rag.max_combined_length = 300  # S: HF RagConfig's default context length
-    config.rag.label_smoothing = 0.1
-    config.rag.exclude_bos_score = False
-    config.rag.closed_book = False  # no retrieval: the question alone (needs n_docs=1)
-
-    config.retrieval = ml_collections.ConfigDict()
-    # The 21M-passage psgs_w100 store, vectors and index of `experiments/build_index.py` (see
-    # above); checked against passage_encoder_path's weights and the corpus on load.
-    config.retrieval.index_dir = "/data/wiki_index"
-    config.retrieval.index = "scann"  # exact | scann (used only when index_dir is "")
-    config.retrieval.passage_max_length = 256  # passage-encoder tokens (build_index's default)
-    config.retrieval.passage_format = "pair"  # DPR: title [SEP] text
-    config.retrieval.encode_batch_size = 512
-    # The passage encoder stays frozen, so its vectors never need re-encoding.
-    config.retrieval.refresh_every = 0  # re-encode + re-index every k steps; 0 = never
-    config.retrieval.refresh_lag = 0  # steps until a refreshed index serves (0 = k // 2)
-
-    # Optimisation as in the authors' released fine-tuning script (transformers'
-    # examples/research_projects/rag/finetune_rag.sh): AdamW at 3e-5 with polynomial decay,
-    # 500 warmup steps, weight decay 0.001, clipping at 0.1, label smoothing 0.1.
-    config.train = ml_collections.ConfigDict()
     config.train.steps = 7_000  # about 10 epochs of 87,622 questions
-    config.train.batch_size = 128  # global batch over a TPU pod slice; divisible by its chips
-    config.train.num_devices = 0  # data-parallel devices; 0 = all
-    config.train.optimizer = "adamw"  # adamw | sgd (momentum adam_b1)
-    config.train.learning_rate = 3e-5
-    config.train.warmup_steps = 500
-    config.train.decay = "polynomial"  # linear | polynomial | constant
-    config.train.decay_power = 1.0  # for polynomial decay
-    config.train.end_lr_factor = 0.0  # final learning rate = learning_rate * this
-    config.train.retriever_lr_factor = 1.0  # question encoder at the generator's rate
-    config.train.retriever_delay_steps = 0  # both halves train from the first step, as in the paper
-    config.train.weight_decay = 0.001
-    config.train.no_decay = r"(bias|scale|ln|final_logits_bias)"  # paths without weight decay
-    config.train.adam_b1 = 0.9
-    config.train.adam_b2 = 0.999
-    config.train.adam_eps = 1e-8
-    config.train.grad_clip = 0.1  # global-norm clip; 0 = none
-    config.train.grad_accum = 1  # optimizer step every k batches
-    # Frozen: the passage encoder (the paper keeps the 21M-passage index fixed) and BART's
-    # final_logits_bias (a buffer in the reference).
-    config.train.freeze = r"^(passage_encoder/|generator/final_logits_bias)"
-    config.train.log_every = 50
-    config.train.save_every = 1000
-    config.train.keep_checkpoints = 3
-    config.train.checkpoint_dir = ""  # gs://bucket/run: one place all hosts of a slice see
-
-    config.eval = ml_collections.ConfigDict()
-    config.eval.every = 0  # also every k steps (eval/* in metrics.jsonl); 0 = before/after
-    config.eval.enabled = True  # evaluate before and after training
-    config.eval.batch_size = 128
-    config.eval.max_examples = 0  # 0 = the whole evaluation split
-    config.eval.num_beams = 1  # greedy: the paper found beam search no better for QA
-    config.eval.max_length = 32
-    config.eval.sequence_decoding = "thorough"  # thorough | fast (RAG-Sequence, beams > 1)
     return config
