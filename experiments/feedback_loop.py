@@ -149,7 +149,7 @@ def table(results: dict) -> str:
         "|---" * (len(COLUMNS) + 2) + "|",
     ]
     for name, row in results["rows"].items():
-        cells = [f"{row['final'].get(k, float('nan')):.3f}" for k in COLUMNS]
+        cells = [f"{row['final'][k]:.3f}" if k in row["final"] else "-" for k in COLUMNS]
         swap = row.get("hot_swap")
         swap_cell = f"{swap['em_edited']:.3f} / {swap['em_unedited']:.3f}" if swap else "-"
         lines.append(f"| {name} | " + " | ".join(cells) + f" | {swap_cell} |")

@@ -274,7 +274,7 @@ def _cached_ict(config, rag_cfg, p_cfg, params, tokenizer, store, workdir) -> di
     towers = {k: params[k] for k in ("question_encoder", "passage_encoder")}
     key = json.dumps(
         {
-            "warm_start": config.warm_start.to_dict(),
+            "warm_start": {k: v for k, v in config.warm_start.items() if k != "cache_dir"},
             "retrieval": {
                 k: config.retrieval.get(k) for k in ("passage_max_length", "passage_format")
             },

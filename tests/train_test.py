@@ -28,6 +28,7 @@ def tiny_config(**overrides):
     config.train.log_every = 3
     config.train.save_every = 3
     config.train.warmup_steps = 2
+    config.train.retriever_delay_steps = 0  # runs this short would never train the retriever
     config.eval.batch_size = 8
     config.eval.max_examples = 8
     config.eval.max_length = 6
