@@ -76,6 +76,7 @@ def test_missing_refresh_snapshot_is_named(tmp_path):
         refresher.resume(5)
 
 
+@pytest.mark.slow  # two compilations of the joint loss with gradients: ~40 s on 2 cores
 def test_passage_tokens_path_equals_stored_vectors(tmp_path):
     """With unchanged parameters, re-encoding the retrieved passages in the step gives the same
     loss as the stored vectors, and the gradient reaches the passage encoder."""
