@@ -10,7 +10,7 @@ thus a function of the step alone, never of thread timing.
 
 The parameters of each refresh are written to `<workdir>/index_refresh/step_<s>.msgpack`, so a
 resumed run rebuilds exactly the indexes an uninterrupted run would be using at that step, and
-ends bitwise identical to it.
+ends bitwise identical to it. Process 0 writes them; on several hosts the workdir must be shared.
 """
 
 import concurrent.futures
