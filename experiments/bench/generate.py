@@ -19,15 +19,14 @@ Legend: B questions, N docs, S context length, K beams.
 
 import functools
 import gc
-import statistics
 import tempfile
-import time
 
 import jax
 import numpy as np
 import torch
 import transformers
 
+from bench import common
 from bench.train_step import save_hf_rag
 from rag_jax import hf, rag
 
@@ -84,12 +83,6 @@ def _torch_fn(model, contexts):
     return run
 
 
-def _timed(fn):
-    t0 = time.perf_counter()
-    value = fn()
-    return time.perf_counter() - t0, value
-
-
 def _same(ours: np.ndarray, ref: np.ndarray, pad: int) -> bool:
     """Equal token ids per question, the shorter output padded with `pad` (HF trims to longest)."""
     if ours.shape[0] != ref.shape[0]:
@@ -100,26 +93,10 @@ def _same(ours: np.ndarray, ref: np.ndarray, pad: int) -> bool:
 
 
 def _compare(ours_fn, ref_fn, repeats, warmup, pad) -> dict:
-    ours_first_s, ours_out = _timed(ours_fn)  # trace + compile + one call
-    ref_first_s, ref_out = _timed(ref_fn)
-    for _ in range(warmup - 1):
-        ref_fn()
-    ours_fn()
-    ours_runs, ref_runs = [], []
-    for _ in range(repeats):
-        ours_runs.append(_timed(ours_fn)[0])
-        ref_runs.append(_timed(ref_fn)[0])
-    ours_s, ref_s = statistics.median(ours_runs), statistics.median(ref_runs)
+    timings, ours_out, ref_out = common.compare(ours_fn, ref_fn, repeats=repeats, warmup=warmup)
     return {
-        "ours_s": ours_s,
-        "ref_s": ref_s,
-        "speedup": ref_s / ours_s,
-        "speedup_min": min(ref_runs) / min(ours_runs),
-        "compile_s": max(0.0, ours_first_s - ours_s),
-        "ref_first_s": ref_first_s,
+        **timings,
         "same_output": _same(ours_out, ref_out, pad),
-        "ours_runs_s": ours_runs,
-        "ref_runs_s": ref_runs,
         "ours_tokens": ours_out.tolist(),
         "ref_tokens": ref_out.tolist(),
     }

@@ -23,9 +23,7 @@ Legend: B questions, N docs, S context length, T target length, Q question lengt
 """
 
 import gc
-import statistics
 import tempfile
-import time
 
 import jax
 import jax.numpy as jnp
@@ -34,6 +32,7 @@ import optax
 import torch
 import transformers
 
+from bench import common
 from rag_jax import hf, rag
 
 N_DOCS, CONTEXT, TARGET, QUESTION = 5, 128, 32, 16
@@ -186,36 +185,14 @@ def _torch_step_fn(model, batch):
     return run
 
 
-def _timed(fn):
-    t0 = time.perf_counter()
-    value = fn()
-    return time.perf_counter() - t0, value
-
-
 def _compare(ours_fn, ref_fn, repeats: int, warmup: int) -> dict:
-    """Warms both sides up, then alternates single timed steps; medians and first losses."""
-    ours_first_s, ours_loss = _timed(ours_fn)  # trace + compile + one step
-    ref_first_s, ref_loss = _timed(ref_fn)
-    ours_fn()
-    for _ in range(warmup - 1):
-        ref_fn()
-    ours_runs, ref_runs = [], []
-    for _ in range(repeats):
-        ours_runs.append(_timed(ours_fn)[0])
-        ref_runs.append(_timed(ref_fn)[0])
-    ours_s, ref_s = statistics.median(ours_runs), statistics.median(ref_runs)
+    """Side-by-side timings plus both sides' first losses."""
+    timings, ours_loss, ref_loss = common.compare(ours_fn, ref_fn, repeats=repeats, warmup=warmup)
     return {
-        "ours_s": ours_s,
-        "ref_s": ref_s,
-        "speedup": ref_s / ours_s,
-        "speedup_min": min(ref_runs) / min(ours_runs),
-        "compile_s": max(0.0, ours_first_s - ours_s),
-        "ref_first_s": ref_first_s,
+        **timings,
         "loss_ours": ours_loss,
         "loss_ref": ref_loss,
         "loss_rel_diff": abs(ours_loss - ref_loss) / abs(ref_loss),
-        "ours_runs_s": ours_runs,
-        "ref_runs_s": ref_runs,
     }
 
 
