@@ -563,15 +563,7 @@ def _open_or_build_store(corpus_path, tokenizer, store_dir: pathlib.Path, fields
     if (store_dir / "manifest.json").is_file():
         store = passage_store.PassageStore.open(store_dir)
         checksum = corpus.corpus_checksum(corpus.read_passages(corpus_path, fields))
-        tokenizer_fp = passage_store.tokenizer_fingerprint(tokenizer)
-        stale = [
-            what
-            for what, same in (
-                ("corpus_checksum", checksum == store.checksum),
-                ("generator tokenizer", tokenizer_fp == store.manifest["tokenizer"]["fingerprint"]),
-            )
-            if not same
-        ]
+        stale = store.differences(checksum, tokenizer)
         if not stale:
             return store
         if not overwrite:

@@ -36,7 +36,7 @@ import ml_collections
 import numpy as np
 
 from rag_jax import bart, bert, data, encode, hf, rag, synthetic, warm_start
-from rag_jax.corpus import Passage, read_passages
+from rag_jax.corpus import Passage, corpus_checksum, read_passages
 from rag_jax.index import DeviceIndex, ExactIndex, ScannIndex
 from rag_jax.passage_store import PassageStore
 from rag_jax.retriever import ClosedBook, Retriever
@@ -202,17 +202,22 @@ def _init_bert(cfg: bert.BertConfig, rng) -> dict:
 
 
 def build_store(passages, tokenizer, directory: pathlib.Path, rag_cfg: rag.RagConfig):
-    """Opens the passage store in `directory`, or builds it there from `passages`."""
+    """Opens the passage store in `directory`, or builds it there from `passages`.
+
+    An existing store must hold exactly `passages`, tokenised the same way: a workdir reused with
+    another corpus (a changed world size or seed) is refused, never silently trained on.
+    """
+    layout = dict(prefix=rag_cfg.prefix or "", title_sep=rag_cfg.title_sep, doc_sep=rag_cfg.doc_sep)
     if (directory / "manifest.json").is_file():
-        return PassageStore.open(directory)
-    return PassageStore.build(
-        passages,
-        tokenizer,
-        directory,
-        prefix=rag_cfg.prefix or "",
-        title_sep=rag_cfg.title_sep,
-        doc_sep=rag_cfg.doc_sep,
-    )
+        store = PassageStore.open(directory)
+        stale = store.differences(corpus_checksum(passages), tokenizer, **layout)
+        if stale:
+            raise ValueError(
+                f"{directory} holds a passage store built from another corpus or tokenizer "
+                f"(differs: {stale}); use a fresh workdir or delete {directory}"
+            )
+        return store
+    return PassageStore.build(passages, tokenizer, directory, **layout)
 
 
 def encode_store(store, passage_cfg, passage_params, tokenizer, config) -> np.ndarray:

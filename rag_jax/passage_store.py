@@ -405,6 +405,17 @@ class PassageStore:
         """The corpus checksum (`corpus_checksum` of the records it was built from)."""
         return self.manifest["checksum"]
 
+    def differences(self, checksum: str, tokenizer, **layout) -> list[str]:
+        """What differs between this store and a build from a corpus with `checksum`, with
+        `tokenizer` and with the given `prefix`, `title_sep` and `doc_sep` (those passed only)."""
+        found = []
+        if checksum != self.checksum:
+            found.append("corpus_checksum")
+        if tokenizer_fingerprint(tokenizer) != self.manifest["tokenizer"]["fingerprint"]:
+            found.append("generator tokenizer")
+        found += [name for name, value in layout.items() if value != self.manifest[name]]
+        return found
+
     def title(self, i: int) -> str:
         """The raw title of passage i, as read (quotes not stripped)."""
         return self._titles[i]

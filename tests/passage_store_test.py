@@ -200,6 +200,22 @@ def test_store_round_trip_and_manifest(tmp_path, bart_tokenizer):
         store.ids[3]
 
 
+def test_a_workdir_store_is_reused_only_for_the_same_corpus(tmp_path, bart_tokenizer):
+    from rag_jax import experiment
+
+    layout = types.SimpleNamespace(prefix=None, title_sep=" / ", doc_sep=" // ")
+    records = [Passage("a", "T", "one"), Passage("b", "U", "two")]
+    built = experiment.build_store(records, bart_tokenizer, tmp_path / "s", layout)
+    again = experiment.build_store(list(records), bart_tokenizer, tmp_path / "s", layout)
+    assert again.checksum == built.checksum and len(again) == 2
+    edited = [records[0], Passage("b", "U", "three")]
+    with pytest.raises(ValueError, match=r"another corpus.*corpus_checksum.*fresh workdir"):
+        experiment.build_store(edited, bart_tokenizer, tmp_path / "s", layout)
+    other_sep = types.SimpleNamespace(prefix=None, title_sep=" - ", doc_sep=" // ")
+    with pytest.raises(ValueError, match=r"differs: \['title_sep'\]"):
+        experiment.build_store(records, bart_tokenizer, tmp_path / "s", other_sep)
+
+
 def test_tokenizer_fingerprint_is_stable_and_specific(bart_tokenizer, bert_tokenizer):
     before = passage_store.tokenizer_fingerprint(bert_tokenizer)
     bert_tokenizer("a b c", max_length=2, truncation=True, padding="max_length")
