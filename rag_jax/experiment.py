@@ -26,7 +26,6 @@ passage encoder (parameter fingerprint) from the same corpus (checksum).
 import dataclasses
 import hashlib
 import json
-import os
 import pathlib
 from typing import Any
 
@@ -35,7 +34,7 @@ import jax
 import ml_collections
 import numpy as np
 
-from rag_jax import bart, bert, data, encode, hf, rag, synthetic, warm_start
+from rag_jax import bart, bert, data, encode, hf, rag, synthetic, vector_files, warm_start
 from rag_jax.corpus import Passage, corpus_checksum, read_passages
 from rag_jax.index import DeviceIndex, ExactIndex, ScannIndex
 from rag_jax.passage_store import PassageStore
@@ -304,10 +303,8 @@ def _cached_ict(config, rag_cfg, p_cfg, params, tokenizer, store, workdir) -> di
     params = _ict(config, rag_cfg, p_cfg, params, tokenizer, store)
     if jax.process_index() == 0:
         directory.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
         towers = {k: jax.device_get(params[k]) for k in towers}
-        tmp.write_bytes(flax.serialization.to_bytes(towers))
-        os.replace(tmp, path)  # readers never see a half-written cache
+        vector_files.write_atomic(path, flax.serialization.to_bytes(towers))
     return params
 
 

@@ -14,13 +14,12 @@ ends bitwise identical to it. Process 0 writes them; on several hosts the workdi
 """
 
 import concurrent.futures
-import os
 import pathlib
 
 import flax.serialization
 import jax
 
-from rag_jax import experiment
+from rag_jax import experiment, vector_files
 
 KEEP = 4  # refresh snapshots kept on disk (older ones cannot be needed by a resume)
 
@@ -64,12 +63,7 @@ class IndexRefresher:
             return
         self.directory.mkdir(parents=True, exist_ok=True)
         path = self._path(step)
-        tmp = path.with_suffix(".tmp")
-        with open(tmp, "wb") as f:
-            f.write(flax.serialization.to_bytes(passage_params))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)  # a crash mid-write leaves no half snapshot under the real name
+        vector_files.write_atomic(path, flax.serialization.to_bytes(passage_params))
         for old in sorted(self.directory.glob("step_*.msgpack"), key=_step_of)[:-KEEP]:
             old.unlink()
 

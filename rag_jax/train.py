@@ -42,6 +42,7 @@ from rag_jax import (
     refresh,
     retriever,
     sharding,
+    vector_files,
 )
 
 
@@ -668,7 +669,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir) -> dict:
     else:
         before, _ = evaluate(exp, state.params, eval_examples, mesh=mesh, variant=variant)
         if jax.process_index() == 0:
-            before_path.write_text(json.dumps(before))
+            vector_files.write_atomic(before_path, json.dumps(before).encode())
         logger.write(start, before, "eval/")
     print(f"before training: {json.dumps(before)}", flush=True)
 

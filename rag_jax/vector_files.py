@@ -90,6 +90,19 @@ def write_shard(path: pathlib.Path, vectors: np.ndarray, dtype: str) -> str:
     return writer.sha.hexdigest()
 
 
+def write_atomic(path: pathlib.Path, data: bytes) -> None:
+    """Replaces `path` with `data` atomically (temp file, fsync, rename): a crash mid-write leaves
+    the old file or none, never a truncated one. Disk full raises `errno.ENOSPC` naming `path`."""
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    with _disk_full_names(tmp, f"{path}"):
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
 def write_manifest(directory: pathlib.Path, manifest: dict) -> None:
     """Replaces `directory/manifest.json` atomically (temp file, fsync, rename)."""
     tmp = directory / (MANIFEST + ".tmp")

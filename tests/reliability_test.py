@@ -321,6 +321,20 @@ def _disk_full(*args, **kwargs):
     raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
 
+def test_small_state_files_are_replaced_whole_or_not_at_all(tmp_path, monkeypatch):
+    # eval_before.json, warm-start caches and refresh snapshots are written this way.
+    from rag_jax import vector_files
+
+    path = tmp_path / "eval_before.json"
+    vector_files.write_atomic(path, b'{"em": 0.5}')
+    assert path.read_bytes() == b'{"em": 0.5}'
+    monkeypatch.setattr(os, "fsync", _disk_full)
+    with pytest.raises(OSError, match=r"disk full.*eval_before\.json") as raised:
+        vector_files.write_atomic(path, b'{"em": 0.75}')
+    assert raised.value.errno == errno.ENOSPC
+    assert path.read_bytes() == b'{"em": 0.5}' and sorted(tmp_path.iterdir()) == [path]
+
+
 @pytest.mark.slow  # the first trainer run of the module compiles: ~25 s
 def test_disk_full_while_checkpointing_says_so_and_the_previous_step_survives(
     tmp_path, straight, preemption, monkeypatch
