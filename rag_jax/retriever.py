@@ -72,13 +72,37 @@ class Retriever:
           Retrieved arrays for the step.
         """
         scores, ids = self.index.search(np.asarray(question_vectors, np.float32), self.n_docs)
-        ids = ids.astype(np.int64)  # -> [B, N]
+        return self.gather(ids, question_pieces, scores)
+
+    def gather(self, doc_ids, question_pieces: list[list[int]], scores=None) -> Retrieved:
+        """The step's inputs for passages already chosen (e.g. by a search inside the step).
+
+        Args:
+          doc_ids: [B, N] passage rows, best first.
+          question_pieces: B id lists from `store.tokenize_questions`.
+          scores: [B, N] index scores when known; NaN otherwise.
+
+        Returns:
+          Retrieved arrays for the step.
+        """
+        ids = np.asarray(doc_ids).astype(np.int64)  # -> [B, N]
+        if ids.ndim != 2 or ids.shape != (len(question_pieces), self.n_docs):
+            raise ValueError(
+                f"doc_ids {ids.shape} must be [B, N] = [{len(question_pieces)}, {self.n_docs}] "
+                "(one row per question piece)"
+            )
+        if ids.size and not 0 <= ids.min() <= ids.max() < self.index.count:
+            raise ValueError(
+                f"doc_ids hold rows outside [0, {self.index.count}): {ids.min()}..{ids.max()}"
+            )
+        if scores is None:
+            scores = np.full(ids.shape, np.nan, np.float32)
         vectors = np.asarray(self.vectors[ids.reshape(-1)], np.float32)
         vectors = vectors.reshape(ids.shape + (self.vectors.shape[1],))  # -> [B, N, D]
         context_ids, context_mask = self.store.context_tokens(
             ids, question_pieces, self.max_combined_length
         )
-        return Retrieved(ids, scores.astype(np.float32), vectors, context_ids, context_mask)
+        return Retrieved(ids, np.asarray(scores, np.float32), vectors, context_ids, context_mask)
 
     def swap(self, index: Index, store: PassageStore, vectors: np.ndarray) -> "Retriever":
         """The same retriever over another corpus (hot-swap): model parameters are untouched."""

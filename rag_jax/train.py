@@ -44,6 +44,7 @@ from rag_jax import (
     sharding,
     vector_files,
 )
+from rag_jax.index import DeviceIndex
 
 
 @flax.struct.dataclass
@@ -51,6 +52,9 @@ class TrainState:
     step: jax.Array  # [] int32: optimizer steps taken
     params: Any  # {"question_encoder", "generator", "passage_encoder"}
     opt_state: Any
+    # [B, N] int32, replicated: the passages of batch `step`, found by the previous step's
+    # in-step search (see `step_index`); None when the search runs outside the step.
+    next_doc_ids: Any = None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -154,10 +158,19 @@ def make_train_step(
     dropout_rng,
     deterministic: bool,
     passage_cfg=None,
+    search_n_docs: int = 0,
 ):
     """`train_step(state, batch) -> (state, metrics)`, jitted with the state donated.
 
     `passage_cfg` is needed when batches carry passage tokens (a trainable passage encoder).
+
+    With `search_n_docs` = N > 0 the step also retrieves for the next batch:
+    `train_step(state, batch, index, next_questions)`, where `index` is a `DeviceIndex` on the
+    step's mesh and `next_questions` the next batch's question-encoder inputs
+    (`question_tokens`, batch-sharded). After the update it embeds them with the *updated*
+    question encoder (the one the next step trains) and searches the index, so the next batch's
+    passages are the same as a search between the steps would find, without a host round trip;
+    they are returned in `state.next_doc_ids`.
     """
 
     def train_step(state: TrainState, batch):
@@ -182,9 +195,42 @@ def make_train_step(
             "grad_norm": (optax.tree.norm(grads), jnp.ones(())),
             "question_grad_norm": (optax.tree.norm(grads["question_encoder"]), jnp.ones(())),
         }
-        return TrainState(state.step + 1, params, opt_state), step_metrics
+        return TrainState(state.step + 1, params, opt_state, state.next_doc_ids), step_metrics
 
-    return jax.jit(train_step, donate_argnums=0)
+    if not search_n_docs:
+        return jax.jit(train_step, donate_argnums=0)
+
+    def train_step_and_search(state: TrainState, batch, index, next_questions):
+        state, step_metrics = train_step(state, batch)
+        ids = search_ids(rag_cfg, state.params, index, next_questions, search_n_docs)
+        return state.replace(next_doc_ids=ids), step_metrics
+
+    return jax.jit(train_step_and_search, donate_argnums=0)
+
+
+def search_ids(rag_cfg: rag.RagConfig, params, index, questions, n_docs: int) -> jax.Array:
+    """[B, N] int32 passage rows for `questions` (`question_tokens`) from a `DeviceIndex`."""
+    vectors = rag.question_embeddings(
+        rag_cfg, params, questions["question_input_ids"], questions["question_attention_mask"]
+    )  # -> [B, D]
+    return index.search(vectors, n_docs)[1]
+
+
+def step_index(config: ml_collections.ConfigDict, exp: experiment.Experiment, mesh):
+    """The `DeviceIndex` the train step searches for the next batch, or None.
+
+    The search runs inside the step when `config.retrieval.index` is "device",
+    `config.retrieval.search_in_step` is on, the stored vectors never change (no refresh) and the
+    index lives on the step's devices (one process training on all of its devices); otherwise
+    each batch is retrieved between the steps.
+    """
+    r = config.retrieval
+    if r.index != "device" or not r.get("search_in_step", True) or r.get("refresh_every", 0):
+        return None
+    index = getattr(exp.retriever, "index", None)  # ClosedBook has none
+    if not isinstance(index, DeviceIndex) or index.axis != sharding.DATA_AXIS:
+        return None
+    return index if list(index.mesh.devices.flat) == list(mesh.devices.flat) else None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -272,7 +318,8 @@ class Batcher:
             ids[i, : len(row)], mask[i, : len(row)] = row, 1
         return ids, mask
 
-    def train_batch(self, params, step: int):
+    def _examples(self, step: int):
+        """This process's rows of batch `step`: (their train-set indices, the examples)."""
         c = self.exp.config
         idx = data.batch_indices(
             len(self.exp.train),
@@ -282,13 +329,32 @@ class Batcher:
             process_index=self.block,
             process_count=self.blocks,
         )  # -> [local B]: this process's rows of the global batch
-        examples = [self.exp.train[i] for i in idx]
+        return idx, [self.exp.train[i] for i in idx]
+
+    def question_fields(self, step: int) -> dict[str, np.ndarray]:
+        """Question-encoder inputs of batch `step` (this process's rows), for an in-step search."""
+        questions = [e.question for e in self._examples(step)[1]]
+        return question_tokens(
+            self.exp.question_tokenizer, questions, self.exp.config.data.question_length
+        )
+
+    def train_batch(self, params, step: int, doc_ids: np.ndarray | None = None):
+        """Batch `step` (this process's rows) and its answer recall over the global batch.
+
+        The passages are retrieved with the question encoder in `params`, or are `doc_ids`
+        [local B, N] when the previous step already searched for them (`params` unused).
+        """
+        c = self.exp.config
+        idx, examples = self._examples(step)
         targets = [
             data.pick_target(e.answers, c.data.target, c.seed, step, int(i))
             for e, i in zip(examples, idx)
         ]
         fields, pieces = self.questions(examples)
-        hits = self.retrieve(params, fields, pieces)
+        if doc_ids is None:
+            hits = self.retrieve(params, fields, pieces)
+        else:
+            hits = self.exp.retriever.gather(doc_ids, pieces)
         shape = hits.doc_ids.shape + (-1,)  # -> [B, N, S]
         batch = dict(
             fields,
@@ -418,7 +484,11 @@ def summary_metrics(m: dict) -> tuple[float, float]:
 
 def _init_state(exp: experiment.Experiment, tx, mesh) -> TrainState:
     params = sharding.replicate(mesh, exp.params)
-    return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params))
+    next_ids = None
+    if step_index(exp.config, exp, mesh) is not None:  # filled in before the first step
+        shape = (exp.config.train.batch_size, exp.rag_cfg.n_docs)
+        next_ids = sharding.replicate(mesh, np.zeros(shape, np.int32))
+    return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params), next_ids)
 
 
 def _abstract_state(init_fn, mesh) -> TrainState:
@@ -502,7 +572,7 @@ CONFIG_KEYS = {
     },
     "retrieval": {
         "index", "passage_max_length", "passage_format", "encode_batch_size", "index_dir",
-        "refresh_every", "refresh_lag",
+        "refresh_every", "refresh_lag", "search_in_step",
     },
     "train": {
         "steps", "batch_size", "num_devices", "optimizer", "learning_rate", "warmup_steps",
@@ -673,6 +743,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir) -> dict:
         logger.write(start, before, "eval/")
     print(f"before training: {json.dumps(before)}", flush=True)
 
+    index = step_index(config, exp, mesh)
     step_fn = make_train_step(
         exp.rag_cfg,
         variant,
@@ -680,8 +751,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir) -> dict:
         dropout_rng,
         config.model.deterministic,
         exp.passage_cfg if refresher else None,
+        search_n_docs=exp.rag_cfg.n_docs if index is not None else 0,
     )
     batcher = Batcher(exp, mesh)
+    if index is not None and restored is None:  # the first batch's passages; later steps search
+        search = jax.jit(functools.partial(search_ids, exp.rag_cfg), static_argnums=3)
+        first = sharding.shard_batch(mesh, batcher.question_fields(start))
+        state = state.replace(next_doc_ids=search(state.params, index, first, exp.rag_cfg.n_docs))
     totals: dict = {}
     last_log = time.perf_counter()
     bar = tqdm.tqdm(total=tc.steps, initial=start, desc="train", disable=jax.process_index() != 0)
@@ -693,10 +769,16 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir) -> dict:
             break
         if refresher:
             refresher.before_step(step, state.params)
-        host_batch, recall = batcher.train_batch(state.params, step)
-        batch = sharding.shard_batch(mesh, host_batch)
+        if index is None:
+            host_batch, recall = batcher.train_batch(state.params, step)
+            inputs = (sharding.shard_batch(mesh, host_batch),)
+        else:
+            doc_ids = np.asarray(jax.device_get(state.next_doc_ids))  # one process: all rows
+            host_batch, recall = batcher.train_batch(None, step, doc_ids)
+            next_questions = sharding.shard_batch(mesh, batcher.question_fields(step + 1))
+            inputs = (sharding.shard_batch(mesh, host_batch), index, next_questions)
         with jax.transfer_guard("disallow"):
-            state, step_metrics = step_fn(state, batch)
+            state, step_metrics = step_fn(state, *inputs)
         step += 1
         step_values = jax.device_get(step_metrics)
         # Checked every step, before this state can be saved: a checkpoint is never non-finite.

@@ -85,6 +85,8 @@ def get_config():
 
     config.retrieval = ml_collections.ConfigDict()
     config.retrieval.index = "exact"  # exact | scann (host) | device (sharded over the devices)
+    # With the device index, the train step also searches for the next batch (no host round trip)
+    config.retrieval.search_in_step = True
     config.retrieval.passage_max_length = 48  # passage-encoder tokens per passage
     config.retrieval.passage_format = "pair"  # pair: title [SEP] text (DPR) | single
     config.retrieval.encode_batch_size = 256

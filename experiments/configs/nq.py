@@ -92,6 +92,8 @@ def get_config():
     # above); checked against passage_encoder_path's weights and the corpus on load.
     config.retrieval.index_dir = "/data/wiki_index"
     config.retrieval.index = "scann"  # exact | scann (used only when index_dir is "")
+    # With the device index, the train step also searches for the next batch (no host round trip)
+    config.retrieval.search_in_step = True
     config.retrieval.passage_max_length = 256  # passage-encoder tokens (build_index's default)
     config.retrieval.passage_format = "pair"  # DPR: title [SEP] text
     config.retrieval.encode_batch_size = 512
