@@ -26,7 +26,10 @@ passage encoder (parameter fingerprint) from the same corpus (checksum).
 import dataclasses
 import hashlib
 import json
+import os
 import pathlib
+import shutil
+import socket
 from typing import Any
 
 import flax.serialization
@@ -205,18 +208,35 @@ def build_store(passages, tokenizer, directory: pathlib.Path, rag_cfg: rag.RagCo
 
     An existing store must hold exactly `passages`, tokenised the same way: a workdir reused with
     another corpus (a changed world size or seed) is refused, never silently trained on.
+
+    Several processes may share `directory` (hosts of one run on a shared workdir): each builds
+    into a private sibling folder and renames it into place, so a store appears whole, with its
+    manifest, or not at all; a process that finds the place taken keeps the winner's store.
     """
+    directory, passages = pathlib.Path(directory), list(passages)
     layout = dict(prefix=rag_cfg.prefix or "", title_sep=rag_cfg.title_sep, doc_sep=rag_cfg.doc_sep)
-    if (directory / "manifest.json").is_file():
-        store = PassageStore.open(directory)
-        stale = store.differences(corpus_checksum(passages), tokenizer, **layout)
-        if stale:
-            raise ValueError(
-                f"{directory} holds a passage store built from another corpus or tokenizer "
-                f"(differs: {stale}); use a fresh workdir or delete {directory}"
-            )
-        return store
-    return PassageStore.build(passages, tokenizer, directory, **layout)
+    if not (directory / "manifest.json").is_file():
+        if directory.exists():  # no manifest: not a store this function renamed into place
+            shutil.rmtree(directory)
+        private = directory.with_name(
+            f"{directory.name}.building-{socket.gethostname()}-{os.getpid()}"
+        )
+        shutil.rmtree(private, ignore_errors=True)
+        PassageStore.build(passages, tokenizer, private, **layout)
+        try:
+            os.rename(private, directory)
+        except OSError:
+            if not (directory / "manifest.json").is_file():
+                raise
+            shutil.rmtree(private)  # another process renamed its build first
+    store = PassageStore.open(directory)
+    stale = store.differences(corpus_checksum(passages), tokenizer, **layout)
+    if stale:
+        raise ValueError(
+            f"{directory} holds a passage store built from another corpus or tokenizer "
+            f"(differs: {stale}); use a fresh workdir or delete {directory}"
+        )
+    return store
 
 
 def encode_store(store, passage_cfg, passage_params, tokenizer, config) -> np.ndarray:

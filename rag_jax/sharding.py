@@ -457,7 +457,8 @@ def memory_plan(
     }
 
 
-def _human(num_bytes: int) -> str:
+def human_bytes(num_bytes: int) -> str:
+    """`num_bytes` in GiB, MiB or KiB with two decimals (bytes below 1 KiB)."""
     for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if num_bytes >= scale:
             return f"{num_bytes / scale:.2f} {unit}"
@@ -473,16 +474,17 @@ def format_memory_plan(plan: dict[str, Any]) -> str:
         ("optimizer state", plan["opt_state"]),
         (
             f"activations ({plan['per_device_batch']} examples x "
-            f"{_human(plan['activation_bytes_per_example'])})",
+            f"{human_bytes(plan['activation_bytes_per_example'])})",
             plan["activations"],
         ),
         ("index shard", plan["index_per_device"]),
         ("total per device", plan["total_per_device"]),
     ]
     lines = [f"memory plan over {plan['num_devices']} devices:"]
-    lines += [f"  {name:<44} {_human(value):>12}" for name, value in rows]
-    lines.append(f"  {'device memory':<44} {_human(limit) if limit is not None else 'unknown':>12}")
-    lines.append(f"  {'index per host (RAM)':<44} {_human(plan['index_per_host']):>12}")
+    lines += [f"  {name:<44} {human_bytes(value):>12}" for name, value in rows]
+    shown = human_bytes(limit) if limit is not None else "unknown"
+    lines.append(f"  {'device memory':<44} {shown:>12}")
+    lines.append(f"  {'index per host (RAM)':<44} {human_bytes(plan['index_per_host']):>12}")
     return "\n".join(lines)
 
 
@@ -517,6 +519,7 @@ def check_fits(plan: dict[str, Any], device_memory_bytes: int | None = None) -> 
     else:  # Only the activations overflow, so per_example > 0.
         advice = f"use per_device_batch <= {(limit - fixed) // per_example}"
     raise ValueError(
-        f"training needs at least {_human(need)} per device but the device has {_human(limit)}; "
+        f"training needs at least {human_bytes(need)} per device but the device has "
+        f"{human_bytes(limit)}; "
         f"{advice}.\n{format_memory_plan({**plan, 'device_memory': limit})}"
     )

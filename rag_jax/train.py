@@ -482,6 +482,47 @@ def summary_metrics(m: dict) -> tuple[float, float]:
 # The loop
 
 
+def _check_memory(compiled, state: TrainState, exp: experiment.Experiment, mesh) -> None:
+    """Prints what the compiled train step needs per device (XLA's own accounting) and raises
+    before the first step runs when that exceeds the device's memory."""
+    stats = compiled.memory_analysis()
+    need = (
+        stats.argument_size_in_bytes
+        + stats.output_size_in_bytes
+        - stats.alias_size_in_bytes  # the donated state is updated in place
+        + stats.temp_size_in_bytes
+    )
+    params, opt = sharding.tree_bytes(state.params), sharding.tree_bytes(state.opt_state)
+    index = getattr(exp.retriever, "index", None)  # None: closed book
+    shard = -(-index.nbytes // mesh.size) if isinstance(index, DeviceIndex) else 0
+    host_index = getattr(exp.retriever, "vectors", np.zeros(0)).nbytes if not shard else 0
+    limit = sharding.device_memory_limit(mesh.devices.flat[0])
+    human = sharding.human_bytes
+    rows = [
+        ("parameters (replicated)", params),
+        ("optimizer state", opt),
+        ("index shard", shard),
+        ("batch and the rest of the arguments", stats.argument_size_in_bytes - params - opt),
+        ("temporaries: activations, gradients", stats.temp_size_in_bytes),
+        ("total per device", need),
+        ("device memory", limit),
+        ("host index (RAM of each host)", host_index),
+    ]
+    if jax.process_index() == 0:
+        print(f"train step memory per device, from XLA ({mesh.size} devices):", flush=True)
+        for name, value in rows:
+            print(f"  {name:<40} {'unknown' if value is None else human(value):>12}", flush=True)
+    if limit is not None and need > limit:
+        raise ValueError(
+            f"the train step needs {human(need)} per device but the device has {human(limit)} "
+            f"({human(stats.temp_size_in_bytes)} of it temporaries for "
+            f"{exp.config.train.batch_size // mesh.size} examples per device): lower "
+            "config.train.batch_size (with grad_accum to keep the global batch), set "
+            "config.model.remat=True or config.model.dtype='bfloat16', or keep the index on the "
+            "host (config.retrieval.index exact or scann)"
+        )
+
+
 def _init_state(exp: experiment.Experiment, tx, mesh) -> TrainState:
     params = sharding.replicate(mesh, exp.params)
     next_ids = None
@@ -761,7 +802,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir) -> dict:
     totals: dict = {}
     last_log = time.perf_counter()
     bar = tqdm.tqdm(total=tc.steps, initial=start, desc="train", disable=jax.process_index() != 0)
-    step = start
+    step, compiled = start, None
     while step < tc.steps:
         if checkpoints.should_stop(step):
             ckpt.save(step, state, config, force=True)
@@ -778,7 +819,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir) -> dict:
             next_questions = sharding.shard_batch(mesh, batcher.question_fields(step + 1))
             inputs = (sharding.shard_batch(mesh, host_batch), index, next_questions)
         with jax.transfer_guard("disallow"):
-            state, step_metrics = step_fn(state, *inputs)
+            if compiled is None:  # compiled ahead of the first call, to check its memory first
+                compiled = step_fn.lower(state, *inputs).compile()
+                _check_memory(compiled, state, exp, mesh)
+            state, step_metrics = compiled(state, *inputs)
         step += 1
         step_values = jax.device_get(step_metrics)
         # Checked every step, before this state can be saved: a checkpoint is never non-finite.

@@ -216,6 +216,29 @@ def test_a_workdir_store_is_reused_only_for_the_same_corpus(tmp_path, bart_token
         experiment.build_store(records, bart_tokenizer, tmp_path / "s", other_sep)
 
 
+def test_workdir_stores_appear_whole_when_processes_race(tmp_path, bart_tokenizer, monkeypatch):
+    import os
+
+    from rag_jax import experiment
+
+    layout = types.SimpleNamespace(prefix=None, title_sep=" / ", doc_sep=" // ")
+    records = [Passage("a", "T", "one"), Passage("b", "U", "two")]
+    target = tmp_path / "passages"
+    target.mkdir()
+    (target / "ids.bin").write_bytes(b"half")  # a killed build of an older layout: replaced
+    rename = os.rename
+
+    def another_process_wins(src, dst):  # it renames its own build into place first
+        PassageStore.build(records, bart_tokenizer, tmp_path / "other")
+        rename(tmp_path / "other", dst)
+        rename(src, dst)  # now fails: the place is taken
+
+    monkeypatch.setattr(os, "rename", another_process_wins)
+    store = experiment.build_store(iter(records), bart_tokenizer, target, layout)
+    assert [store.passage(i) for i in range(2)] == records
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["passages"]  # no private build left
+
+
 def test_tokenizer_fingerprint_is_stable_and_specific(bart_tokenizer, bert_tokenizer):
     before = passage_store.tokenizer_fingerprint(bert_tokenizer)
     bert_tokenizer("a b c", max_length=2, truncation=True, padding="max_length")

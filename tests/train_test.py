@@ -13,7 +13,7 @@ import jax
 import numpy as np
 import pytest
 
-from rag_jax import experiment, train
+from rag_jax import checkpoints, experiment, train
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "experiments" / "configs"))
@@ -111,6 +111,19 @@ def _run_script(workdir, extra, env=None):
     return subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env or os.environ
     )
+
+
+def test_a_step_too_large_for_the_device_fails_before_it_runs(tmp_path, capsys, monkeypatch):
+    from rag_jax import sharding
+
+    monkeypatch.setattr(sharding, "device_memory_limit", lambda device=None: 2**20)  # 1 MiB
+    config = tiny_config(**{"eval.enabled": False})
+    with pytest.raises(ValueError, match=r"needs .* per device but the device has 1.00 MiB"):
+        train.train_and_evaluate(config, tmp_path)
+    out = capsys.readouterr().out
+    assert "train step memory per device, from XLA" in out and "temporaries" in out, out
+    with checkpoints.Checkpointer(tmp_path, read_only=True) as ckpt:
+        assert ckpt.latest_step() is None  # nothing ran, nothing was saved
 
 
 @pytest.mark.slow
