@@ -17,7 +17,7 @@ it measured), with the device, its peak figures and where they come from:
    models, attention included; backward = 2x forward; no rematerialisation), the same from
    `jit(...).lower(...).compile().cost_analysis()` as a cross-check, and model-FLOPs utilisation
    = analytic FLOPs / step time / (peak bf16 FLOP/s x devices). Goal: MFU >= 40%.
-2. `search`: `rag_jax.index.DeviceIndex.search` over `--index-size` (default 10M) x 768
+2. `search`: `rag_jax.device_DeviceIndex.search` over `--index-size` (default 10M) x 768
    bfloat16 vectors generated on the devices (never on the host), for batches of 1 to 64
    queries, k = 5. The bound is reading every vector once per batch: bound time = vector bytes /
    (peak HBM bytes/s x devices); the fraction reported is bound time / measured time. A
@@ -56,7 +56,8 @@ import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from rag_jax import bart, bert, index, rag, sharding, train  # noqa: E402
+from rag_jax import bart, bert, rag, sharding, train  # noqa: E402
+from rag_jax.device_index import DeviceIndex
 
 N_DOCS, CONTEXT, TARGET, QUESTION = 5, 128, 32, 32
 SHAPES = ("n_docs", "question", "context", "target")  # the step's shape flags
@@ -483,13 +484,13 @@ def _short(row: dict) -> dict:
 # Index search
 
 
-def device_index(vectors: jax.Array, count: int, mesh) -> index.DeviceIndex:
+def device_index(vectors: jax.Array, count: int, mesh) -> DeviceIndex:
     """A DeviceIndex over vectors already on the devices ([C', D], sharded over `data`).
 
     The constructor takes host arrays; building from a template index of the same mesh and
     swapping its one pytree leaf keeps 10M+ vectors off the host. `count` masks the padding.
     """
-    template = index.DeviceIndex(
+    template = DeviceIndex(
         np.zeros((mesh.size, vectors.shape[1]), ml_dtypes.bfloat16), mesh, sharding.DATA_AXIS
     )
     ix = jax.tree.unflatten(jax.tree.structure(template), [vectors])

@@ -9,7 +9,7 @@ import jax
 import numpy as np
 from absl import app, flags, logging
 
-from rag_jax import data, rag, sharding, train
+from rag_jax import batches, data, evaluation, rag, sharding, train
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "a training workdir (checkpoints + config)")
 _QUESTIONS = flags.DEFINE_multi_string("question", None, "a question (repeatable)")
@@ -24,13 +24,13 @@ def main(argv):
     mesh = sharding.data_mesh(jax.devices()[:1])
     with exp.config.unlocked():
         exp.config.eval.batch_size = len(questions)
-    batcher = train.Batcher(exp, mesh)
+    batcher = batches.Batcher(exp, mesh)
     fields, pieces = batcher.questions(questions)
     hits = batcher.retrieve(state.params, fields, pieces)
     q = batcher.embed(state.params, fields["question_input_ids"], fields["question_attention_mask"])
     # p(z|x) as the model weighs the retrieved passages: softmax of q · d over the N docs.
     weights = np.asarray(jax.nn.softmax(rag.doc_scores(q, hits.doc_vectors), axis=-1))
-    _, predictions = train.evaluate(
+    _, predictions = evaluation.evaluate(
         exp, state.params, questions, mesh=mesh, variant=exp.config.rag.variant
     )
     for b, example in enumerate(questions):

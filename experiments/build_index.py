@@ -23,7 +23,7 @@ for about 96% of them.
 
 import argparse
 
-from rag_jax import encode
+from rag_jax import encode, index_build
 
 
 def main(argv=None):
@@ -43,7 +43,7 @@ def main(argv=None):
     parser.add_argument("--overwrite", action="store_true", help="replace another run's output")
     args = parser.parse_args(argv)
 
-    result = encode.build_index(
+    result = index_build.build_index(
         args.corpus,
         args.encoder,
         args.generator_tokenizer,

@@ -14,7 +14,7 @@ import pathlib
 
 from absl import app, flags, logging
 
-from rag_jax import train
+from rag_jax import evaluation, train
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "a training workdir (checkpoints + config)")
 _VARIANT = flags.DEFINE_enum("variant", None, ["sequence", "token"], "default: the config's")
@@ -37,7 +37,7 @@ def main(argv):
         generation = dataclasses.replace(exp.rag_cfg.generation, num_beams=config.eval.num_beams)
         exp.rag_cfg = exp.rag_cfg.replace(generation=generation)
     examples = exp.eval[: _MAX.value or None]
-    metrics, predictions = train.evaluate(
+    metrics, predictions = evaluation.evaluate(
         exp, state.params, examples, mesh=train.device_mesh(config), variant=variant
     )
     out = pathlib.Path(_WORKDIR.value) / "eval_predictions.jsonl"

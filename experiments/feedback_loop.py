@@ -33,7 +33,7 @@ import ml_collections
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent / "configs"))
 import feedback as feedback_config  # noqa: E402
 
-from rag_jax import experiment, synthetic, train  # noqa: E402
+from rag_jax import evaluation, experiment, synthetic, train  # noqa: E402
 from rag_jax.corpus import Passage  # noqa: E402
 
 FREEZE_RETRIEVER = r"^(passage_encoder/|question_encoder/|generator/final_logits_bias)"
@@ -112,7 +112,9 @@ def hot_swap(workdir: pathlib.Path, fraction: float, seed: int) -> dict:
         ("edited", [e for e in examples if e.id in edited_ids]),
         ("unedited", [e for e in examples if e.id not in edited_ids]),
     ):
-        m, _ = train.evaluate(exp, state.params, subset, mesh=mesh, variant=exp.config.rag.variant)
+        m, _ = evaluation.evaluate(
+            exp, state.params, subset, mesh=mesh, variant=exp.config.rag.variant
+        )
         out[f"em_{name}"] = m["exact_match"]
         out[f"gold_recall@5_{name}"] = m.get("gold_recall@5", float("nan"))
     out["em_ratio"] = out["em_edited"] / out["em_unedited"] if out["em_unedited"] else float("nan")

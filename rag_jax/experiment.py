@@ -39,7 +39,8 @@ import numpy as np
 
 from rag_jax import bart, bert, data, encode, hf, rag, synthetic, vector_files, warm_start
 from rag_jax.corpus import Passage, corpus_checksum, read_passages
-from rag_jax.index import DeviceIndex, ExactIndex, ScannIndex
+from rag_jax.device_index import DeviceIndex
+from rag_jax.index import ExactIndex, ScannIndex
 from rag_jax.passage_store import PassageStore
 from rag_jax.retriever import ClosedBook, Retriever
 

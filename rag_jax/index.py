@@ -16,14 +16,15 @@ index only decides *which* passages, never their weights.
 - `ExactIndex`: brute force in float32, chunked over C so the [B, C] score matrix never exists.
 - `ScannIndex`: Google's ScaNN (partitioning + anisotropic hashing + exact reordering), defaults
   chosen from C following ScaNN's rules of thumb; the host path for any corpus size.
-- `DeviceIndex`: vectors sharded over a mesh axis, per-shard top-k inside `jax.shard_map`
-  (`lax.approx_max_k` on TPU), then a global merge; a pytree, so it can be an argument of a
-  jitted step.
+- `DeviceIndex` (`rag_jax.device_index`): vectors sharded over a mesh axis, per-shard top-k
+  inside `jax.shard_map` (`lax.approx_max_k` on TPU), then a global merge; a pytree, so it can be
+  an argument of a jitted step.
 
 On disk an index is a folder holding `manifest.json` (kind, count, dim, dtype, optional
 `encoder_fingerprint` and `corpus_checksum`, and the byte size and sha256 of every file) next to
-its data files. `load(directory, expect={...})` refuses an index whose manifest disagrees with what
-the caller holds, and a file whose size or hash disagrees with the manifest.
+its data files (`rag_jax.index_files`). `load(directory, expect={...})` refuses an index whose
+manifest disagrees with what the caller holds, and a file whose size or hash disagrees with the
+manifest.
 
 Hot swap (new corpus and index, same model): parameters never reference the index or the corpus,
 so swapping them is rebinding two names between steps, e.g.
@@ -36,33 +37,26 @@ For a `DeviceIndex` passed as an argument of the jitted step, a new index of the
 
 from __future__ import annotations
 
-import errno
-import hashlib
-import json
 import math
 import os
-import shutil
 import tempfile
 
-import jax
-import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
-from jax.experimental import multihost_utils
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
-MANIFEST = "manifest.json"
-VECTORS = "vectors.bin"
-FORMAT_VERSION = 1
-# Storage dtypes; search always computes in float32.
-DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
-# Who holds the expected value of a manifest field, for the mismatch message.
-_EXPECT_SOURCE = {"corpus_checksum": "the corpus", "count": "the corpus"}
-_EXPECT_SOURCE |= {"encoder_fingerprint": "the encoder", "dim": "the encoder"}
+from rag_jax.index_files import (
+    DTYPES,
+    FORMAT_VERSION,
+    IO_BLOCK,
+    check_file,
+    load_vectors,
+    provenance,
+    read_manifest,
+    save_vectors,
+    write_dir,
+)
+
 _SAMPLE_STRIDE = 16  # ExactIndex: one score column in this many bounds the k-th best
 _PAD_ID = np.iinfo(np.int64).max  # loses every tie; only ever paired with a -inf score
-_IO_BLOCK = 16 << 20  # bytes per hashing or checking step: bounded memory for any size
 
 
 class Index:
@@ -91,7 +85,7 @@ class Index:
     def _check_queries(self, queries) -> np.ndarray:
         """Returns `queries` as C-contiguous float32 [B, D], or raises naming the bad shape/row."""
         queries = np.asarray(queries)
-        _check_query_shape(queries.shape, self.count, self.dim)
+        check_query_shape(queries.shape, self.count, self.dim)
         if not np.issubdtype(queries.dtype, np.floating) and queries.dtype != DTYPES["bfloat16"]:
             raise TypeError(f"queries must be floating point, got dtype {queries.dtype}")
         queries = np.ascontiguousarray(queries, dtype=np.float32)
@@ -108,7 +102,7 @@ class Index:
         return manifest
 
 
-def _check_query_shape(shape, count: int, dim: int) -> None:
+def check_query_shape(shape, count: int, dim: int) -> None:
     if len(shape) != 2 or shape[1] != dim:
         raise ValueError(
             f"queries must be [B, D] with D={dim}, got shape {tuple(shape)}; the index holds "
@@ -143,7 +137,7 @@ def check_vectors(vectors, name: str = "vectors") -> np.ndarray:
         raise TypeError(f"{name} must be one of {sorted(DTYPES)}, got dtype {vectors.dtype}")
     vectors = np.ascontiguousarray(vectors)
     # In row blocks: a boolean copy of a corpus-sized array would be as large as the corpus.
-    rows = max(1, _IO_BLOCK // vectors[0].nbytes)
+    rows = max(1, IO_BLOCK // vectors[0].nbytes)
     for start in range(0, len(vectors), rows):
         finite = np.isfinite(vectors[start : start + rows]).all(axis=1)
         if not finite.all():
@@ -282,7 +276,7 @@ class ExactIndex(Index):
 
     def save(self, directory: str) -> None:
         """Writes `vectors.bin` (raw rows, little-endian) and `manifest.json` to `directory`."""
-        _save_vectors(self, self.vectors, directory)
+        save_vectors(self, self.vectors, directory)
 
     @classmethod
     def load(
@@ -297,8 +291,8 @@ class ExactIndex(Index):
           verify: also check each file's sha256 (sizes are always checked).
           **kwargs: passed to the constructor (`chunk_size`).
         """
-        manifest, vectors = _load_vectors(directory, expect, verify, kinds=("exact",))
-        return cls(vectors, **_provenance(manifest), **kwargs)
+        manifest, vectors = load_vectors(directory, expect, verify, kinds=("exact",))
+        return cls(vectors, **provenance(manifest), **kwargs)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -514,7 +508,7 @@ class ScannIndex(Index):
 
         # Relative asset paths, so the folder can be moved or copied.
         write_fn = lambda tmp: self.searcher.serialize(tmp, True)
-        _write_dir(directory, write_fn, self._manifest("float32", scann=self.config))
+        write_dir(directory, write_fn, self._manifest("float32", scann=self.config))
 
     @classmethod
     def load(cls, directory: str, expect: dict | None = None, *, verify: bool = True) -> ScannIndex:
@@ -522,342 +516,20 @@ class ScannIndex(Index):
         import scann
 
         directory = os.fspath(directory)
-        manifest = _read_manifest(directory, expect, kinds=("scann",))
+        manifest = read_manifest(directory, expect, kinds=("scann",))
         for name, record in manifest["files"].items():  # before ScaNN's reader meets a bad file
-            _check_file(os.path.join(directory, name), record, verify)
+            check_file(os.path.join(directory, name), record, verify)
         return cls(
             scann.scann_ops_pybind.load_searcher(directory),
             count=manifest["count"],
             dim=manifest["dim"],
             config=manifest["scann"],
-            **_provenance(manifest),
+            **provenance(manifest),
         )
-
-
-# ------------------------------------------------------------------------------------------------
-# Sharded search on the accelerators.
-
-
-def _device_search(vectors, queries, *, count, k, mesh, axis, recall_target, precision):
-    """Top-k over `vectors` [C', D] sharded on `axis` (C' = C padded), `queries` [B, D] replicated.
-
-    Returns (scores [B, k] float32, ids [B, k] int32), replicated.
-    """
-    shard_rows = vectors.shape[0] // mesh.shape[axis]
-    local_k = min(k, shard_rows)
-
-    def per_shard(shard, queries):  # shard: [C' / n, D], queries: [B, D]
-        scores = jnp.einsum(
-            "bd,cd->bc", queries.astype(jnp.float32), shard.astype(jnp.float32), precision=precision
-        )  # -> [B, C' / n]
-        start = jax.lax.axis_index(axis) * shard_rows
-        ids = start + jnp.arange(shard_rows, dtype=jnp.int32)
-        scores = jnp.where(ids < count, scores, -jnp.inf)  # padding rows never win
-        if recall_target is None:
-            scores, pos = jax.lax.top_k(scores, local_k)  # -> [B, local_k]
-        else:
-            scores, pos = jax.lax.approx_max_k(scores, local_k, recall_target=recall_target)
-        # Shards are gathered in id order and top_k keeps the lower position among ties, so ties
-        # resolve to the lower id, as in ExactIndex.
-        gather = lambda x: jax.lax.all_gather(x, axis, axis=1, tiled=True, to="invarying")
-        scores, ids = gather(scores), gather(start + pos)  # -> [B, n * local_k]
-        scores, pos = jax.lax.top_k(scores, k)  # -> [B, k]
-        return scores, jnp.take_along_axis(ids, pos, axis=1)
-
-    specs = {"in_specs": (P(axis, None), P()), "out_specs": (P(), P())}
-    return jax.shard_map(per_shard, mesh=mesh, **specs)(vectors, queries)
-
-
-_STATIC = ("count", "k", "mesh", "axis", "recall_target", "precision")
-_device_search_jit = jax.jit(_device_search, static_argnames=_STATIC)
-
-
-@jax.tree_util.register_pytree_node_class
-class DeviceIndex(Index):
-    """Passage vectors sharded over a mesh axis; search is part of the XLA program.
-
-    Each device holds C'/n rows (C' = C rounded up to a multiple of the n devices on `axis`; the
-    padding rows are masked to -inf by id, so they never win). Queries are replicated: every device
-    scores the whole batch against its shard, keeps its k best (`lax.approx_max_k`, the TPU-KNN
-    partial reduction, on TPU; `lax.top_k` elsewhere), and the n * k candidates are all-gathered
-    and merged with `lax.top_k`. A batch sharded over the same axis in the caller is gathered by
-    `shard_map` on entry; that is B x D, small next to a shard.
-
-    `search` takes numpy (host protocol: int64 ids, argument checks, numpy out) or jax arrays,
-    tracers included (returns jax arrays, int32 ids), so it works inside `jax.jit`. The index is a
-    pytree whose only leaf is the sharded vectors: pass it as an argument of a jitted function
-    rather than closing over it, so the vectors are not baked into the program as a constant and a
-    same-shaped replacement index reuses the compilation.
-
-    On CPU (float32 matmuls, exact top-k) results equal `ExactIndex`, ties included. On TPU the
-    DEFAULT matmul precision is bfloat16 and approx_max_k misses some neighbours (recall_target);
-    pass `precision=jax.lax.Precision.HIGHEST` for float32 scores.
-
-    Multi-host: the mesh may span every device of every process (`sharding.data_mesh()` after
-    `sharding.maybe_initialize_distributed()`), so a corpus too large for one host's
-    accelerators is split over the whole pod. Every process constructs the index with the same
-    `vectors` (a `np.memmap` of the vectors file keeps the corpus out of host memory: each
-    process copies only the rows of its own devices' shards) and the same mesh, and every search
-    is one collective program that all processes run together: in a jitted step, pass the global
-    question batch (e.g. sharded over `data`); with numpy queries, every process must pass the
-    same queries (checked) and gets the same results.
-    """
-
-    kind = "exact"  # on disk it is an exact index: the same vectors file and manifest
-    _AUX = ("count", "dim", "mesh", "axis", "recall_target", "precision")
-    _AUX += ("encoder_fingerprint", "corpus_checksum")
-
-    def __init__(
-        self,
-        vectors,
-        mesh: jax.sharding.Mesh,
-        axis: str = "data",
-        *,
-        recall_target: float | None = None,
-        precision=None,
-        encoder_fingerprint: str | None = None,
-        corpus_checksum: str | None = None,
-    ):
-        """Args:
-        vectors: [C, D] passage vectors on the host (see `check_vectors`); storage dtype kept.
-          On several processes each process passes the same vectors and places only the rows of
-          its own devices.
-        mesh: device mesh, possibly spanning processes; vectors are sharded over `axis`,
-          replicated over the others.
-        axis: mesh axis to shard the corpus over.
-        recall_target: per-shard `lax.approx_max_k` recall target. None: 0.95 on TPU, and an
-          exact `lax.top_k` elsewhere, where approx_max_k is also exact but leaves the order of
-          equal scores unspecified.
-        precision: `jax.lax.Precision` of the score matmul.
-        encoder_fingerprint: provenance string written to the manifest.
-        corpus_checksum: provenance string written to the manifest.
-        """
-        vectors = check_vectors(vectors)
-        if axis not in mesh.shape:
-            raise ValueError(f"mesh has axes {tuple(mesh.shape)}, not {axis!r}")
-        count, dim = vectors.shape
-        padded = -(-count // mesh.shape[axis]) * mesh.shape[axis]
-
-        def rows(index):  # One device's shard: rows [start, stop) of the padded [C', D].
-            start, stop, _ = index[0].indices(padded)
-            shard = vectors[min(start, count) : min(stop, count)]
-            pad = np.zeros((stop - start - len(shard), dim), vectors.dtype)
-            return np.concatenate([shard, pad]) if len(pad) else shard
-
-        # Built from each device's rows (not `device_put` of the whole array) so that no padded
-        # copy of the corpus is made and, on a pod, each process copies only its own shards.
-        self.vectors = jax.make_array_from_callback(
-            (padded, dim), NamedSharding(mesh, P(axis, None)), rows
-        )  # -> [C', D]
-        self.count, self.dim, self.mesh, self.axis = count, dim, mesh, axis
-        if recall_target is None and mesh.devices.flat[0].platform == "tpu":
-            recall_target = 0.95
-        self.recall_target = None if recall_target is None else float(recall_target)
-        self.precision = precision
-        self.encoder_fingerprint = encoder_fingerprint
-        self.corpus_checksum = corpus_checksum
-
-    def tree_flatten(self):
-        return (self.vectors,), tuple(getattr(self, name) for name in self._AUX)
-
-    @classmethod
-    def tree_unflatten(cls, aux, children):
-        index = object.__new__(cls)  # leaves may be tracers: no checks, no device_put
-        index.vectors = children[0]
-        for name, value in zip(cls._AUX, aux):
-            setattr(index, name, value)
-        return index
-
-    @property
-    def nbytes(self) -> int:
-        return self.vectors.nbytes
-
-    def search(self, queries, k: int):
-        """Top-k by inner product, on the devices.
-
-        Args:
-          queries: [B, D]: a numpy array (host call) or a jax array / tracer (in-graph call).
-          k: neighbours per query, 1 <= k <= C (static).
-
-        Returns:
-          (scores [B, k] float32, ids [B, k]): numpy with int64 ids for numpy queries; jax arrays
-          with int32 ids, replicated over the mesh, for jax queries. Lower id first on ties.
-        """
-        k = self._check_k(k)
-        if not isinstance(queries, jax.Array):
-            queries = self._check_queries(queries)
-            if not self.vectors.is_fully_addressable:
-                # Replicated placement assumes equal values everywhere; a process with other
-                # queries would silently get answers to some other process's questions.
-                multihost_utils.assert_equal(
-                    queries,
-                    "DeviceIndex.search with numpy queries on several processes needs "
-                    "the same queries on every process",
-                )
-            queries = jax.device_put(queries, NamedSharding(self.mesh, P()))
-            scores, ids = self.search(queries, k)
-            return np.asarray(scores), np.asarray(ids).astype(np.int64)
-        _check_query_shape(queries.shape, self.count, self.dim)
-        static = {name: getattr(self, name) for name in _STATIC if name != "k"}
-        return _device_search_jit(self.vectors, queries, k=k, **static)
-
-    def save(self, directory: str) -> None:
-        """Writes the unpadded vectors as an exact index (readable by `ExactIndex.load` too).
-
-        The vectors are fetched to the host. On several processes every process must call this
-        (the shards are gathered from all of them) and process 0 alone writes, so `directory`
-        should be storage that the processes share.
-        """
-        if self.vectors.is_fully_addressable:
-            vectors = np.asarray(jax.device_get(self.vectors))
-        else:
-            vectors = multihost_utils.process_allgather(self.vectors, tiled=True)
-        if jax.process_index() == 0:
-            _save_vectors(self, vectors[: self.count], directory)
-
-    @classmethod
-    def load(
-        cls,
-        directory: str,
-        mesh: jax.sharding.Mesh,
-        axis: str = "data",
-        expect: dict | None = None,
-        *,
-        verify: bool = True,
-        **kwargs,
-    ) -> DeviceIndex:
-        """Reads an exact index folder onto `mesh`; see `ExactIndex.load` for the arguments."""
-        manifest, vectors = _load_vectors(directory, expect, verify, kinds=("exact",))
-        return cls(vectors, mesh, axis, **_provenance(manifest), **kwargs)
 
 
 def load(directory: str, expect: dict | None = None, *, verify: bool = True) -> Index:
     """Reads any host index folder, choosing `ExactIndex` or `ScannIndex` by its manifest kind."""
-    kind = _read_manifest(directory, None, kinds=("exact", "scann"))["kind"]
+    kind = read_manifest(directory, None, kinds=("exact", "scann"))["kind"]
     cls = {"exact": ExactIndex, "scann": ScannIndex}[kind]
     return cls.load(directory, expect, verify=verify)
-
-
-# ------------------------------------------------------------------------------------------------
-# Index folders: manifest, file sizes and hashes, atomic replacement.
-
-
-def _provenance(manifest: dict) -> dict:
-    return {name: manifest.get(name) for name in ("encoder_fingerprint", "corpus_checksum")}
-
-
-def _digest(path: str) -> dict:
-    sha = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(_IO_BLOCK):
-            sha.update(block)
-    return {"bytes": os.path.getsize(path), "sha256": sha.hexdigest()}
-
-
-def _check_file(path: str, record: dict, verify: bool) -> None:
-    """Raises naming `path` when it is missing, of another size, or (`verify`) of another hash."""
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"index file {path} is missing (listed in its {MANIFEST})")
-    size = os.path.getsize(path)
-    if size != record["bytes"]:
-        raise ValueError(
-            f"index file {path} has {size} bytes but its {MANIFEST} records {record['bytes']}: "
-            "the file is truncated or corrupted"
-        )
-    if verify and _digest(path)["sha256"] != record["sha256"]:
-        raise ValueError(f"index file {path} is corrupted: its sha256 differs from its {MANIFEST}")
-
-
-def _write_dir(directory, write_fn, manifest: dict) -> None:
-    """Writes an index folder beside `directory`, then swaps it in: readers never see half of one.
-
-    `write_fn(tmp)` writes the data files; their sizes and hashes go into the manifest. A full
-    disk is an `OSError` (`errno.ENOSPC`) that says so; the previous index stays in place.
-    """
-    directory = os.path.abspath(directory)
-    if os.path.isdir(directory) and os.listdir(directory):
-        if not os.path.isfile(os.path.join(directory, MANIFEST)):
-            raise FileExistsError(f"{directory} is not empty and holds no index; not replacing it")
-    parent, name = os.path.split(directory)
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(dir=parent, prefix=f".{name}.new.")
-    old = tempfile.mkdtemp(dir=parent, prefix=f".{name}.old.")
-    try:
-        write_fn(tmp)
-        files = {f: _digest(os.path.join(tmp, f)) for f in sorted(os.listdir(tmp))}
-        with open(os.path.join(tmp, MANIFEST), "w", encoding="utf-8") as f:
-            json.dump({**manifest, "files": files}, f, indent=2, sort_keys=True)
-        if os.path.exists(directory):
-            os.rename(directory, os.path.join(old, name))
-        os.rename(tmp, directory)
-    except BaseException as e:
-        if not os.path.exists(directory) and os.path.exists(os.path.join(old, name)):
-            os.rename(os.path.join(old, name), directory)  # put the previous index back
-        if isinstance(e, OSError) and e.errno == errno.ENOSPC:
-            kept = "; the previous index there is intact" if os.path.exists(directory) else ""
-            raise OSError(
-                errno.ENOSPC,
-                f"disk full while writing the index {directory} ({e}){kept}; free space and "
-                "save again",
-            ) from e
-        raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-        shutil.rmtree(old, ignore_errors=True)
-
-
-def _save_vectors(index: Index, vectors: np.ndarray, directory) -> None:
-    little = vectors.astype(vectors.dtype.newbyteorder("<"), copy=False)  # no copy on x86/ARM
-    write_fn = lambda tmp: little.tofile(os.path.join(tmp, VECTORS))
-    _write_dir(directory, write_fn, index._manifest(vectors.dtype.name))
-
-
-def _read_manifest(directory, expect: dict | None, kinds: tuple[str, ...]) -> dict:
-    """Parses `<directory>/manifest.json`, checks its fields and the caller's expectations."""
-    path = os.path.join(directory, MANIFEST)
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"no index manifest at {path}")
-    try:
-        with open(path, encoding="utf-8") as f:
-            manifest = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"index manifest {path} is not valid JSON: {e}") from e
-    for field in ("format_version", "kind", "count", "dim", "dtype", "files"):
-        if not isinstance(manifest, dict) or field not in manifest:
-            raise ValueError(f"index manifest {path} lacks the field {field!r}")
-    if manifest["format_version"] != FORMAT_VERSION:
-        raise ValueError(
-            f"index manifest {path} has format_version {manifest['format_version']!r}; this "
-            f"version of rag_jax reads {FORMAT_VERSION}"
-        )
-    if manifest["kind"] not in kinds:
-        raise ValueError(
-            f"index manifest {path} has kind {manifest['kind']!r}, not one of {kinds}; "
-            "`rag_jax.index.load` picks the class by kind"
-        )
-    differences = [
-        f"index manifest field {field!r} is {manifest.get(field)!r} in {path} but "
-        f"{_EXPECT_SOURCE.get(field, 'the caller')} has {value!r}"
-        for field, value in (expect or {}).items()
-        if manifest.get(field) != value
-    ]
-    if differences:
-        raise ValueError("; ".join(differences))
-    return manifest
-
-
-def _load_vectors(directory, expect, verify, kinds) -> tuple[dict, np.ndarray]:
-    """Checks and reads `vectors.bin`; returns (manifest, [C, D] vectors)."""
-    directory = os.fspath(directory)
-    manifest = _read_manifest(directory, expect, kinds)
-    shape, dtype = (manifest["count"], manifest["dim"]), DTYPES.get(manifest["dtype"])
-    record = manifest["files"].get(VECTORS, {})
-    if dtype is None or record.get("bytes") != math.prod(shape) * np.dtype(dtype).itemsize:
-        raise ValueError(
-            f"index manifest {os.path.join(directory, MANIFEST)} is inconsistent: {VECTORS} "
-            f"listed as {record}, count x dim = {shape}, dtype {manifest['dtype']!r}"
-        )
-    path = os.path.join(directory, VECTORS)
-    _check_file(path, record, verify)
-    vectors = np.fromfile(path, np.dtype(dtype).newbyteorder("<")).reshape(shape)
-    return manifest, vectors.astype(dtype, copy=False)

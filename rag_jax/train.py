@@ -1,11 +1,13 @@
 """Joint training of the question encoder and the generator, with retrieval in the loop.
 
 Each step: encode the batch's questions with the *current* question encoder (jitted), search the
-index on the host, gather the retrieved passages' stored vectors and generator contexts, then run
-one jitted data-parallel step that recomputes the doc scores `q · d` from the question encoder, so
-the RAG marginal likelihood's gradient reaches it. The host work of the next batch (tokenisation,
-labels) overlaps the device step through JAX's asynchronous dispatch; retrieval waits for the
-step's parameters so that a resumed run is bitwise identical to an uninterrupted one.
+index, gather the retrieved passages' stored vectors and generator contexts (`batches.Batcher`),
+then run one jitted data-parallel step that recomputes the doc scores `q · d` from the question
+encoder, so the RAG marginal likelihood's gradient reaches it. With the device index the step
+itself searches for the next batch with the updated question encoder (`step_index`). The host
+work of the next batch that needs no parameters (example choice, tokenisation, labels) runs
+while the device runs the step; the search waits for the step's parameters, so a resumed run is
+bitwise identical to an uninterrupted one.
 
 `params = {"question_encoder", "generator", "passage_encoder"}`. The passage encoder is frozen by
 default (a regex freeze mask over parameter paths, `config.train.freeze`), as in the paper; the
@@ -14,7 +16,6 @@ stored vectors then stay valid for the whole run.
 Legend: B batch, N docs, S context length, T target length, Q question length, D width.
 """
 
-import difflib
 import functools
 import json
 import pathlib
@@ -32,19 +33,17 @@ import tqdm
 
 from rag_jax import (
     checkpoints,
-    data,
-    encode,
+    config_checks,
     experiment,
-    hf,
     metrics,
     rag,
-    rag_math,
     refresh,
-    retriever,
     sharding,
     vector_files,
 )
-from rag_jax.index import DeviceIndex
+from rag_jax.batches import Batcher
+from rag_jax.device_index import DeviceIndex
+from rag_jax.evaluation import evaluate, summary_metrics
 
 
 @flax.struct.dataclass
@@ -234,251 +233,6 @@ def step_index(config: ml_collections.ConfigDict, exp: experiment.Experiment, me
 
 
 # ---------------------------------------------------------------------------------------------
-# Batches
-
-
-def question_tokens(tokenizer, questions, max_length: int) -> dict[str, np.ndarray]:
-    """Question-encoder inputs [B, Q] (padded to `max_length`, so one compilation)."""
-    enc = tokenizer(
-        list(questions),
-        max_length=max_length,
-        truncation=True,
-        padding="max_length",
-        return_tensors="np",
-    )
-    return {
-        "question_input_ids": enc["input_ids"].astype(np.int32),
-        "question_attention_mask": enc["attention_mask"].astype(np.int32),
-    }
-
-
-def answer_labels(tokenizer, answers, rag_cfg: rag.RagConfig, max_length: int) -> np.ndarray:
-    """[B, T] labels laid out as generated sequences: decoder start, BOS, answer, EOS, pads.
-
-    The RAG loss reads labels as decoder inputs (nothing is shifted right), so training targets
-    take the exact form of what generation produces and rescoring scores.
-    """
-    gen = rag_cfg.generator
-    out = np.full((len(answers), max_length), gen.pad_token_id, np.int32)
-    for i, answer in enumerate(answers):
-        ids = tokenizer(answer, add_special_tokens=False)["input_ids"][: max_length - 3]
-        row = [gen.decoder_start_token_id, rag_cfg.bos_token_id, *ids, gen.eos_token_id]
-        out[i, : len(row)] = row
-    return out
-
-
-class Batcher:
-    """Host-side batch assembly: tokens, labels and retrieval, deterministic in (seed, step).
-
-    On several hosts each process assembles only its block of every global batch (rows
-    `sharding.process_block(mesh)`): its own questions, encoded in the global jitted call and
-    searched in its own replica of the index; `sharding.shard_batch` then joins the blocks.
-    """
-
-    def __init__(self, exp: experiment.Experiment, mesh):
-        self.exp, self.mesh = exp, mesh
-        self.block, self.blocks = sharding.process_block(mesh)
-        self.embed = jax.jit(functools.partial(rag.question_embeddings, exp.rag_cfg))
-
-    def questions(self, examples):
-        c = self.exp.config
-        fields = question_tokens(
-            self.exp.question_tokenizer, [e.question for e in examples], c.data.question_length
-        )
-        pieces = self.exp.store.tokenize_questions(
-            self.exp.generator_tokenizer, [e.question for e in examples]
-        )
-        return fields, pieces
-
-    def retrieve(self, params, fields, pieces):
-        """Encodes with the current question encoder and retrieves; returns host arrays.
-
-        `fields` and `pieces` hold this process's rows; so does the result.
-        """
-        ids, mask = sharding.shard_batch(
-            self.mesh, (fields["question_input_ids"], fields["question_attention_mask"])
-        )
-        q = sharding.local_rows(self.embed(params, ids, mask))  # -> [local B, D]
-        return self.exp.retriever(q, pieces)
-
-    def passage_tokens(self, doc_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Passage-encoder inputs [B * N, P] of the retrieved passages, as the index reads them."""
-        c, store = self.exp.config, self.exp.store
-        rows = encode.tokenize_passages(
-            self.exp.question_tokenizer,
-            [store.title(int(j)) for j in doc_ids.reshape(-1)],
-            [store.text(int(j)) for j in doc_ids.reshape(-1)],
-            max_length=c.retrieval.passage_max_length,
-            input_format=c.retrieval.passage_format,
-        )
-        length = c.retrieval.passage_max_length
-        ids = np.full((len(rows), length), self.exp.question_tokenizer.pad_token_id, np.int32)
-        mask = np.zeros((len(rows), length), np.int32)
-        for i, row in enumerate(rows):
-            ids[i, : len(row)], mask[i, : len(row)] = row, 1
-        return ids, mask
-
-    def _examples(self, step: int):
-        """This process's rows of batch `step`: (their train-set indices, the examples)."""
-        c = self.exp.config
-        idx = data.batch_indices(
-            len(self.exp.train),
-            c.train.batch_size,
-            c.seed,
-            step,
-            process_index=self.block,
-            process_count=self.blocks,
-        )  # -> [local B]: this process's rows of the global batch
-        return idx, [self.exp.train[i] for i in idx]
-
-    def question_fields(self, step: int) -> dict[str, np.ndarray]:
-        """Question-encoder inputs of batch `step` (this process's rows), for an in-step search."""
-        questions = [e.question for e in self._examples(step)[1]]
-        return question_tokens(
-            self.exp.question_tokenizer, questions, self.exp.config.data.question_length
-        )
-
-    def train_batch(self, params, step: int, doc_ids: np.ndarray | None = None):
-        """Batch `step` (this process's rows) and its answer recall over the global batch.
-
-        The passages are retrieved with the question encoder in `params`, or are `doc_ids`
-        [local B, N] when the previous step already searched for them (`params` unused).
-        """
-        c = self.exp.config
-        idx, examples = self._examples(step)
-        targets = [
-            data.pick_target(e.answers, c.data.target, c.seed, step, int(i))
-            for e, i in zip(examples, idx)
-        ]
-        fields, pieces = self.questions(examples)
-        if doc_ids is None:
-            hits = self.retrieve(params, fields, pieces)
-        else:
-            hits = self.exp.retriever.gather(doc_ids, pieces)
-        shape = hits.doc_ids.shape + (-1,)  # -> [B, N, S]
-        batch = dict(
-            fields,
-            doc_vectors=hits.doc_vectors,
-            context_input_ids=hits.context_input_ids.reshape(shape),
-            context_attention_mask=hits.context_attention_mask.reshape(shape),
-            labels=answer_labels(
-                self.exp.generator_tokenizer, targets, self.exp.rag_cfg, c.data.answer_length
-            ),
-        )
-        if c.retrieval.get("refresh_every", 0):  # a trainable passage encoder re-encodes them
-            ids, mask = self.passage_tokens(hits.doc_ids)
-            batch.update(
-                passage_input_ids=ids.reshape(shape), passage_attention_mask=mask.reshape(shape)
-            )
-        recall = {}
-        if not isinstance(self.exp.retriever, retriever.ClosedBook):
-            recall = metrics.answer_recall(
-                [e.answers for e in examples],
-                [[self.exp.store.text(int(j)) for j in row] for row in hits.doc_ids],
-                [self.exp.rag_cfg.n_docs],
-            )
-        return batch, sharding.sum_over_processes(recall)  # over the global batch
-
-
-# ---------------------------------------------------------------------------------------------
-# Evaluation
-
-
-def evaluate(exp: experiment.Experiment, params, examples, *, mesh, variant: str, ks=(1, 5)):
-    """EM/F1 of generated answers and retrieval recall@k over `examples` (none dropped).
-
-    On several hosts every process calls this with the same `examples`: each retrieves and feeds
-    its block of every batch, the generated tokens and retrieved ids of all blocks are gathered
-    to every process, and each example is scored exactly once, so all processes return the same
-    metrics and predictions (the trainer writes them from process 0).
-
-    Returns:
-      (metrics as floats, predictions: one dict per example with the answer and retrieved ids).
-    """
-    c = exp.config
-    batch_size = c.eval.batch_size
-    sharding.check_batch_divisible(batch_size, mesh.size, "eval batch")
-    batcher = Batcher(exp, mesh)
-    local = batch_size // batcher.blocks  # rows of each batch this process retrieves for
-    mine = slice(batcher.block * local, (batcher.block + 1) * local)
-    gen = _generate_fn(exp.rag_cfg, variant, c.eval.sequence_decoding)
-    ks = [k for k in ks if k <= exp.rag_cfg.n_docs]
-    totals, predictions = {}, []
-    for idx, mask in data.eval_batches(len(examples), batch_size):
-        batch_examples = [examples[i] for i in idx]
-        fields, pieces = batcher.questions(batch_examples[mine])
-        hits = batcher.retrieve(params, fields, pieces)
-        q_ids, q_mask, vecs, ctx, ctx_mask, doc_ids = sharding.shard_batch(
-            mesh,
-            (
-                fields["question_input_ids"],
-                fields["question_attention_mask"],
-                hits.doc_vectors,
-                hits.context_input_ids.reshape(local, -1, hits.context_input_ids.shape[-1]),
-                hits.context_attention_mask.reshape(local, -1, hits.context_input_ids.shape[-1]),
-                hits.doc_ids.astype(np.int32),
-            ),
-        )
-        # Every block's answers and retrieved rows, on every process: -> [B, L], [B, N].
-        tokens, doc_ids = sharding.gather_to_host(
-            (gen(params, q_ids, q_mask, vecs, ctx, ctx_mask), doc_ids)
-        )
-        answers = exp.generator_tokenizer.batch_decode(tokens, skip_special_tokens=True)
-        answers = [a.strip() for a in answers]
-        gold_answers = [e.answers for e in batch_examples]
-        ids = []
-        if isinstance(exp.retriever, retriever.ClosedBook):  # nothing retrieved: no recall
-            totals = metrics.merge_metrics(totals, metrics.qa_metrics(answers, gold_answers, mask))
-        else:
-            texts = [[exp.store.text(int(j)) for j in row] for row in doc_ids]
-            ids = [[exp.store.ids[int(j)] for j in row] for row in doc_ids]
-            totals = metrics.merge_metrics(
-                totals,
-                metrics.qa_metrics(answers, gold_answers, mask),
-                metrics.answer_recall(gold_answers, texts, ks, mask),
-                metrics.gold_recall(ids, [e.gold_ids for e in batch_examples], ks, mask),
-            )
-        for row, keep in enumerate(mask):
-            if keep:
-                e = batch_examples[row]
-                predictions.append(
-                    {
-                        "id": e.id,
-                        "question": e.question,
-                        "prediction": answers[row],
-                        "answers": list(e.answers),
-                        "retrieved": ids[row] if ids else [],
-                    }
-                )
-    return metrics.reduce_metrics(totals), predictions
-
-
-@functools.cache
-def _generate_fn(rag_cfg: rag.RagConfig, variant: str, sequence_decoding: str):
-    def fn(params, q_ids, q_mask, doc_vectors, ctx, ctx_mask):
-        q = rag.question_embeddings(rag_cfg, params, q_ids, q_mask)
-        scores = rag_math.doc_scores(q, doc_vectors)  # -> [B, N]
-        flat = ctx.reshape(-1, ctx.shape[-1])  # -> [B * N, S]
-        return rag.generate(
-            rag_cfg,
-            params,
-            flat,
-            ctx_mask.reshape(flat.shape),
-            scores,
-            variant=variant,
-            sequence_decoding=sequence_decoding,
-        )
-
-    return jax.jit(fn)
-
-
-def summary_metrics(m: dict) -> tuple[float, float]:
-    """(recall@5, EM): gold-passage recall where gold ids exist, else answer recall."""
-    recall = m.get("gold_recall@5", m.get("answer_recall@5", float("nan")))
-    return recall, m.get("exact_match", float("nan"))
-
-
-# ---------------------------------------------------------------------------------------------
 # The loop
 
 
@@ -590,139 +344,6 @@ class _Logger:
             self.tb.close()
 
 
-# Every setting the library and the experiment scripts read, by section. Anything else is a typo
-# (or a setting of another version) that would be silently ignored, so `validate` refuses it. A
-# new setting goes here too (tests/reliability_test.py checks that default.py validates).
-# `model.question_encoder`, `model.generator` and `data.fields` are checked where they are used.
-CONFIG_KEYS = {
-    "": {"seed", "data", "model", "warm_start", "rag", "retrieval", "train", "eval"},
-    "data": {
-        "source", "num_entities", "distractors_per_fact", "eval_fraction", "question_length",
-        "answer_length", "target", "train_path", "eval_path", "corpus_path", "fields",
-        "max_train", "max_eval", "tfds_name", "train_split", "eval_split", "tfds_data_dir",
-    },
-    "model": {
-        "init", "dtype", "remat", "deterministic", "question_encoder", "generator",
-        "question_encoder_path", "passage_encoder_path", "generator_path", "rag_path",
-        "shared_towers",
-    },
-    "warm_start": {"method", "steps", "batch_size", "learning_rate", "keep_prob", "cache_dir"},
-    "rag": {
-        "variant", "n_docs", "max_combined_length", "label_smoothing", "exclude_bos_score",
-        "closed_book",
-    },
-    "retrieval": {
-        "index", "passage_max_length", "passage_format", "encode_batch_size", "index_dir",
-        "refresh_every", "refresh_lag", "search_in_step",
-    },
-    "train": {
-        "steps", "batch_size", "num_devices", "optimizer", "learning_rate", "warmup_steps",
-        "decay", "decay_power", "end_lr_factor", "retriever_lr_factor", "retriever_delay_steps",
-        "weight_decay",
-        "no_decay", "adam_b1", "adam_b2", "adam_eps", "grad_clip", "grad_accum", "freeze",
-        "log_every", "save_every", "keep_checkpoints", "checkpoint_dir",
-    },
-    "eval": {
-        "enabled", "batch_size", "max_examples", "num_beams", "max_length", "sequence_decoding",
-        "every",
-    },
-}  # fmt: skip
-
-
-def _check_keys(config: ml_collections.ConfigDict) -> None:
-    """Refuses a key `CONFIG_KEYS` does not list, naming it and the nearest known key."""
-    for section, known in CONFIG_KEYS.items():
-        node = config if not section else config.get(section)
-        if node is None:
-            raise ValueError(f"config has no section config.{section}; add it (see default.py)")
-        prefix = f"config.{section}." if section else "config."
-        for key in node.keys():
-            if key in known:
-                continue
-            close = difflib.get_close_matches(key, sorted(known), n=1)
-            hint = f"did you mean {prefix}{close[0]}?" if close else f"known: {sorted(known)}"
-            raise ValueError(f"{prefix}{key} is not a setting rag_jax reads; {hint}")
-
-
-def _check_paths(config: ml_collections.ConfigDict) -> None:
-    """Every file or checkpoint the config names exists, before anything is built."""
-    d, m = config.data, config.model
-    files = []
-    if d.source == "files":
-        files = [("data.train_path", d.get("train_path"), True)]
-        files.append(("data.eval_path", d.get("eval_path"), False))
-        if not config.retrieval.get("index_dir"):
-            files.append(("data.corpus_path", d.get("corpus_path"), True))
-    for key, path, required in files:
-        if required and not path:
-            raise ValueError(f"config.{key} is not set; data.source='files' needs it")
-        if path and not pathlib.Path(path).is_file():
-            raise FileNotFoundError(f"config.{key}={path!r}: no such file; point it at the file")
-    index_dir = config.retrieval.get("index_dir")
-    if index_dir and not pathlib.Path(index_dir).is_dir():
-        raise FileNotFoundError(
-            f"config.retrieval.index_dir={index_dir!r}: no such directory; build one with "
-            "experiments/build_index.py or unset it"
-        )
-    checkpoints_needed = {"pretrained": ["question_encoder_path"], "hf_rag": ["rag_path"]}
-    for key in ("question_encoder_path", "passage_encoder_path", "generator_path", "rag_path"):
-        path = m.get(key)
-        if not path:
-            if key in checkpoints_needed.get(m.init, []):
-                raise ValueError(f"config.model.{key} is not set; model.init={m.init!r} needs it")
-            continue
-        if pathlib.Path(path).is_dir():
-            continue
-        try:
-            hf.resolve(path)  # a hub id in the local cache (or reachable hub) is fine
-        except Exception as e:
-            raise FileNotFoundError(
-                f"config.model.{key}={path!r} is not a checkpoint directory ({e}); set it to a "
-                "directory holding config.json and the weights, or to a hub id"
-            ) from None
-
-
-def validate(config: ml_collections.ConfigDict, num_devices: int) -> None:
-    """Start-up checks of invariants, each error naming the value and what would be right."""
-    _check_keys(config)
-    tc = config.train
-    batches = {"train": ("global batch", tc.batch_size)}
-    if config.eval.enabled:
-        batches["eval"] = ("eval batch", config.eval.batch_size)
-    for section, (what, size) in batches.items():
-        try:
-            sharding.check_batch_divisible(size, num_devices, what)
-        except ValueError as e:
-            raise ValueError(f"config.{section}.batch_size: {e}") from None
-    if config.rag.variant not in ("sequence", "token"):
-        raise ValueError(
-            f"config.rag.variant must be sequence or token, got {config.rag.variant!r}"
-        )
-    if config.data.source not in ("synthetic", "files", "tfds"):
-        raise ValueError(
-            f"config.data.source must be synthetic, files or tfds, got {config.data.source!r}"
-        )
-    for key in ("steps", "batch_size", "log_every", "save_every", "grad_accum"):
-        if tc[key] < 1:
-            raise ValueError(f"config.train.{key} must be >= 1, got {tc[key]}")
-    if tc.warmup_steps < 0:
-        raise ValueError(f"config.train.warmup_steps must be >= 0, got {tc.warmup_steps}")
-    refresh_every = config.retrieval.get("refresh_every", 0)
-    passage_frozen = bool(tc.freeze) and re.search(tc.freeze, "passage_encoder/") is not None
-    if refresh_every and passage_frozen:
-        raise ValueError(
-            f"config.retrieval.refresh_every={refresh_every} is for a trainable passage encoder, "
-            f"but config.train.freeze={tc.freeze!r} freezes passage_encoder/; remove it there"
-        )
-    if not refresh_every and not passage_frozen:
-        raise ValueError(
-            f"config.train.freeze={tc.freeze!r} leaves the passage encoder trainable, but "
-            "config.retrieval.refresh_every=0 never re-encodes the corpus, so the index would "
-            "go stale; freeze passage_encoder/ or set refresh_every"
-        )
-    _check_paths(config)
-
-
 def device_mesh(config: ml_collections.ConfigDict):
     """The `data` mesh over the first `config.train.num_devices` devices (0 = all)."""
     devices = jax.devices()
@@ -743,7 +364,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir) -> dict:
     workdir = pathlib.Path(workdir).absolute()
     sharding.maybe_initialize_distributed()
     mesh = device_mesh(config)
-    validate(config, mesh.size)
+    config_checks.validate(config, mesh.size)
     exp = experiment.build(config, workdir)
     tc, variant = config.train, config.rag.variant
     tx = make_optimizer(tc, exp.params)
@@ -824,6 +445,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir) -> dict:
                 _check_memory(compiled, state, exp, mesh)
             state, step_metrics = compiled(state, *inputs)
         step += 1
+        if step < tc.steps:  # the next batch's host work runs while the device runs this step
+            batcher.prepare(step if index is None else step + 1)
         step_values = jax.device_get(step_metrics)
         # Checked every step, before this state can be saved: a checkpoint is never non-finite.
         bad = [k for k, (total, _) in step_values.items() if not np.isfinite(total)]

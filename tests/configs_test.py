@@ -9,7 +9,7 @@ import re
 import ml_collections
 import pytest
 
-from rag_jax import bart, bert, data, experiment, train
+from rag_jax import bart, bert, config_checks, data, experiment, index_build, train
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CONFIG_DIR = ROOT / "experiments" / "configs"
@@ -112,12 +112,12 @@ def test_config_has_exactly_the_keys_its_run_consumes(name, monkeypatch):
             fields = set(cls.__dataclass_fields__)
             assert set(keys[key]) <= fields, f"{name}: {key} has {set(keys[key]) - fields}"
     try:
-        train.validate(config, num_devices=1)  # the trainer's own start-up checks
+        config_checks.validate(config, num_devices=1)  # the trainer's own start-up checks
     except FileNotFoundError:
         # Data, indexes and checkpoints that live elsewhere (TPU hosts, ../shared, the hub):
         # every other check still runs.
-        monkeypatch.setattr(train, "_check_paths", lambda config: None)
-        train.validate(config, num_devices=1)
+        monkeypatch.setattr(config_checks, "_check_paths", lambda config: None)
+        config_checks.validate(config, num_devices=1)
 
 
 def test_every_schema_key_is_read_by_the_library():
@@ -223,11 +223,10 @@ def test_squad_open_builds_and_trains(shared_data, tmp_path):
 @pytest.mark.slow
 def test_prebuilt_index_dir_is_used_and_checked(shared_data, tmp_path):
     from hf_fixtures import minilm_path, save_bert
-    from rag_jax import encode
 
     questions, passages, _ = _squad_subset(shared_data, tmp_path, articles=2)
     minilm = str(minilm_path())
-    built = encode.build_index(
+    built = index_build.build_index(
         passages,
         minilm,
         minilm,

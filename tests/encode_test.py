@@ -19,7 +19,7 @@ import transformers
 from jax.sharding import Mesh
 
 import hf_fixtures
-from rag_jax import bert, encode, hf, vector_files
+from rag_jax import bert, encode, hf, index_build, vector_files
 
 MAX_LENGTH = 40
 BUCKETS = (16, 32, 40)
@@ -465,7 +465,7 @@ def test_build_index_from_a_corpus_file(tiny, tokenizer, tmp_path):
     )
     out = tmp_path / "out"
     kwargs = {"max_length": MAX_LENGTH, "batch_size": 4, "shard_size": 3, "progress": False}
-    result = encode.build_index(corpus_file, path, hf_fixtures.minilm_path(), out, **kwargs)
+    result = index_build.build_index(corpus_file, path, hf_fixtures.minilm_path(), out, **kwargs)
     store = passage_store.PassageStore.open(out / "passages")
     assert len(store) == 7 and store.text(4) == passages[4][1]
     expect = {"encoder_fingerprint": encode.encoder_fingerprint(cfg, params)}
@@ -476,5 +476,5 @@ def test_build_index_from_a_corpus_file(tiny, tokenizer, tmp_path):
     np.testing.assert_allclose(ix.vectors, direct, atol=1e-5, rtol=1e-5)
     # A second run reuses the store and the finished vectors.
     before = _files(out / "vectors")
-    encode.build_index(corpus_file, path, hf_fixtures.minilm_path(), out, **kwargs)
+    index_build.build_index(corpus_file, path, hf_fixtures.minilm_path(), out, **kwargs)
     assert _files(out / "vectors") == before

@@ -19,6 +19,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from rag_jax import index
+from rag_jax.device_index import DeviceIndex
 
 B, C, D = 5, 103, 12
 
@@ -237,7 +238,7 @@ def test_device_equals_exact(devices, k):
     vectors = _integers((C, D), 10)
     vectors[[12, 13, 90]] = vectors[0]  # ties across shard boundaries
     queries = np.concatenate([_integers((B - 1, D), 11), vectors[:1]])
-    scores, ids = index.DeviceIndex(vectors, _mesh(devices)).search(queries, k)
+    scores, ids = DeviceIndex(vectors, _mesh(devices)).search(queries, k)
     want_scores, want_ids = index.ExactIndex(vectors, chunk_size=16).search(queries, k)
     assert scores.dtype == np.float32 and ids.dtype == np.int64
     np.testing.assert_array_equal(ids, want_ids)
@@ -248,7 +249,7 @@ def test_device_equals_exact(devices, k):
 def test_device_approx_max_k_path_equals_exact_on_cpu(devices):
     # approx_max_k (the TPU path) is exact on CPU; Gaussian vectors have no ties to order.
     vectors, queries = _gaussian((C, D), 30), _gaussian((B, D), 31)
-    ix = index.DeviceIndex(vectors, _mesh(devices), recall_target=0.95)
+    ix = DeviceIndex(vectors, _mesh(devices), recall_target=0.95)
     for k in (1, 6, 20):
         scores, ids = ix.search(queries, k)
         want_scores, want_ids = _brute_force(vectors, queries, k)
@@ -272,7 +273,7 @@ def test_device_search_inside_jit_reuses_the_compilation_for_a_new_index():
     queries_dev = jax.device_put(queries, NamedSharding(mesh, P("data")))
     for seed in (14, 15):  # the second index is a hot swap: same shape, new vectors
         vectors = _gaussian((C, D), seed)
-        got, ids = step(index.DeviceIndex(vectors, mesh), queries_dev)
+        got, ids = step(DeviceIndex(vectors, mesh), queries_dev)
         want_scores, want_ids = index.ExactIndex(vectors).search(queries, 4)
         want = np.exp(want_scores - want_scores.max(1, keepdims=True))
         want = (want / want.sum(1, keepdims=True)) @ weights
@@ -282,7 +283,7 @@ def test_device_search_inside_jit_reuses_the_compilation_for_a_new_index():
 
 
 def test_device_search_checks_shapes_while_tracing():
-    ix = index.DeviceIndex(_gaussian((C, D), 16), _mesh(8))
+    ix = DeviceIndex(_gaussian((C, D), 16), _mesh(8))
     with pytest.raises(ValueError, match=r"\(5, 11\)"):
         jax.jit(lambda ix, q: ix.search(q, 3))(ix, jnp.zeros((5, 11)))
 
@@ -327,11 +328,11 @@ def test_scann_save_load_round_trip(tmp_path):
 
 def test_device_save_is_an_exact_index(tmp_path):
     vectors, queries = _gaussian((C, D), 21), _gaussian((B, D), 22)
-    ix = index.DeviceIndex(vectors, _mesh(8), encoder_fingerprint="enc-1")
+    ix = DeviceIndex(vectors, _mesh(8), encoder_fingerprint="enc-1")
     ix.save(tmp_path / "ix")
     exact = index.ExactIndex.load(tmp_path / "ix", expect={"encoder_fingerprint": "enc-1"})
     np.testing.assert_array_equal(exact.vectors, vectors)
-    again = index.DeviceIndex.load(tmp_path / "ix", _mesh(8))
+    again = DeviceIndex.load(tmp_path / "ix", _mesh(8))
     for got, want in zip(again.search(queries, 7), ix.search(queries, 7)):
         np.testing.assert_array_equal(got, want)
 
@@ -398,7 +399,7 @@ def test_unreadable_folders_are_named(tmp_path):
 BUILDERS = {
     "exact": lambda v: index.ExactIndex(v, chunk_size=10),
     "scann": lambda v: index.ScannIndex.build(v),
-    "device": lambda v: index.DeviceIndex(v, _mesh(8)),
+    "device": lambda v: DeviceIndex(v, _mesh(8)),
 }
 
 

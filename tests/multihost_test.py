@@ -29,6 +29,7 @@ sys.path.insert(0, str(ROOT / "experiments" / "configs"))
 import default as default_config  # noqa: E402
 
 from rag_jax import checkpoints, index, sharding, train  # noqa: E402
+from rag_jax.device_index import DeviceIndex  # noqa: E402
 
 NUM_PROCESSES = 2
 DEVICES_PER_PROCESS = 4
@@ -133,7 +134,7 @@ def _collectives_job(out: pathlib.Path) -> None:
     }
 
     vectors, queries = _corpus()
-    ix = index.DeviceIndex(vectors, mesh)
+    ix = DeviceIndex(vectors, mesh)
     assert not ix.vectors.is_fully_addressable
     padded = np.concatenate([vectors, np.zeros((40 - C, D), np.float32)])
     for shard in ix.vectors.addressable_shards:  # each process placed only its own rows

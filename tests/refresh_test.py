@@ -6,7 +6,16 @@ import numpy as np
 import pytest
 from train_test import _flat, tiny_config
 
-from rag_jax import checkpoints, experiment, rag, retriever, synthetic, train
+from rag_jax import (
+    batches,
+    checkpoints,
+    config_checks,
+    experiment,
+    rag,
+    retriever,
+    synthetic,
+    train,
+)
 
 
 def refresh_config(cache_dir, **overrides):
@@ -60,10 +69,10 @@ def test_refresh_trains_the_passage_encoder_and_resumes_bitwise(tmp_path, monkey
 def test_refresh_config_errors(tmp_path):
     frozen = refresh_config(tmp_path, **{"train.freeze": r"^(passage_encoder/)"})
     with pytest.raises(ValueError, match="refresh_every=2 is for a trainable passage encoder"):
-        train.validate(frozen, 1)
+        config_checks.validate(frozen, 1)
     stale = refresh_config(tmp_path, **{"retrieval.refresh_every": 0})
     with pytest.raises(ValueError, match="index would go stale"):
-        train.validate(stale, 1)
+        config_checks.validate(stale, 1)
 
 
 def test_missing_refresh_snapshot_is_named(tmp_path):
@@ -82,7 +91,7 @@ def test_passage_tokens_path_equals_stored_vectors(tmp_path):
     loss as the stored vectors, and the gradient reaches the passage encoder."""
     config = refresh_config(tmp_path / "cache", **{"warm_start.method": "none"})
     exp = experiment.build(config, tmp_path / "w")
-    batcher = train.Batcher(exp, train.device_mesh(config))
+    batcher = batches.Batcher(exp, train.device_mesh(config))
     batch, _ = batcher.train_batch(exp.params, 0)
     flat = dict(batch)
     for key in ("context_input_ids", "context_attention_mask"):
@@ -156,7 +165,7 @@ def test_device_index_serves_the_trainer_like_the_exact_index(tmp_path):
     for kind in ("exact", "device"):
         config.retrieval.index = kind
         exp = experiment.build(config, tmp_path / kind)
-        batcher = train.Batcher(exp, train.device_mesh(config))
+        batcher = batches.Batcher(exp, train.device_mesh(config))
         fields, pieces = batcher.questions(exp.train[:8])
         hits[kind] = batcher.retrieve(exp.params, fields, pieces)
     want, got = hits["exact"], hits["device"]

@@ -27,7 +27,18 @@ import numpy as np
 import pytest
 
 import hf_fixtures
-from rag_jax import checkpoints, encode, hf, index, train, vector_files
+from rag_jax import (
+    batches,
+    checkpoints,
+    config_checks,
+    encode,
+    hf,
+    index,
+    index_build,
+    index_files,
+    train,
+    vector_files,
+)
 from rag_jax.corpus import Passage
 from rag_jax.passage_store import PassageStore
 
@@ -144,14 +155,14 @@ def test_preemption_at_a_random_step_saves_that_step_and_resumes_bitwise(
 ):
     """SIGTERM while a random batch is prepared: the step it completes is saved, nothing lost."""
     batch_index = int(np.random.default_rng().integers(0, STEPS - 1))
-    original = train.Batcher.train_batch
+    original = batches.Batcher.train_batch
 
     def sigterm_at(self, params, step):
         if step == batch_index:
             os.kill(os.getpid(), signal.SIGTERM)  # the real signal, through the real handler
         return original(self, params, step)
 
-    monkeypatch.setattr(train.Batcher, "train_batch", sigterm_at)
+    monkeypatch.setattr(batches.Batcher, "train_batch", sigterm_at)
     config = tiny_config(**{"train.save_every": 1000})
     summary = train.train_and_evaluate(config, tmp_path)
     out = capsys.readouterr().out
@@ -160,7 +171,7 @@ def test_preemption_at_a_random_step_saves_that_step_and_resumes_bitwise(
     with checkpoints.Checkpointer(tmp_path, read_only=True) as ckpt:
         assert ckpt.latest_step() == stopped
 
-    monkeypatch.setattr(train.Batcher, "train_batch", original)
+    monkeypatch.setattr(batches.Batcher, "train_batch", original)
     preemption.clear()
     assert train.train_and_evaluate(config, tmp_path)["steps"] == STEPS
     assert f"resumed from checkpoint step {stopped} in" in capsys.readouterr().out
@@ -292,7 +303,7 @@ def test_non_finite_loss_stops_at_its_step_and_the_last_good_checkpoint_is_intac
 ):
     """A NaN at train step 5 of a run saving every 2 steps and logging every 100: the run stops
     at step 5 naming the metric, and step 4 (not a NaN step 6) is its newest checkpoint."""
-    original = train.Batcher.train_batch
+    original = batches.Batcher.train_batch
 
     def poisoned(self, params, step):
         batch, recall = original(self, params, step)
@@ -300,7 +311,7 @@ def test_non_finite_loss_stops_at_its_step_and_the_last_good_checkpoint_is_intac
             batch = dict(batch, doc_vectors=np.full_like(batch["doc_vectors"], np.nan))
         return batch, recall
 
-    monkeypatch.setattr(train.Batcher, "train_batch", poisoned)
+    monkeypatch.setattr(batches.Batcher, "train_batch", poisoned)
     with pytest.raises(
         FloatingPointError,
         match=r"non-finite loss \(nan\) at train step 5 .* last good checkpoint, step 4,",
@@ -394,7 +405,7 @@ def test_disk_full_on_a_real_small_filesystem_says_so(tmp_path):
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
-    """`encode.build_index` over a 10-passage corpus with a tiny BERT, plus a ScaNN index."""
+    """`index_build.build_index` over a 10-passage corpus with a tiny BERT, plus a ScaNN index."""
     root = tmp_path_factory.mktemp("built")
     tokenizer_path = hf_fixtures.minilm_path()
     tokenizer = hf.load_tokenizer(tokenizer_path)
@@ -413,7 +424,7 @@ def built(tmp_path_factory):
         )
     )
     kwargs = dict(max_length=32, batch_size=4, shard_size=4, progress=False)
-    result = encode.build_index(corpus, encoder, tokenizer_path, root / "out", **kwargs)
+    result = index_build.build_index(corpus, encoder, tokenizer_path, root / "out", **kwargs)
     vectors = vector_files.load_vectors(result["vectors"])
     provenance = {k: result[k] for k in ("encoder_fingerprint", "corpus_checksum")}
     index.ScannIndex.build(vectors, **provenance).save(str(root / "out" / "scann"))
@@ -462,7 +473,7 @@ def test_damaged_index_vectors_or_store_files_are_refused_naming_the_file(built,
 
 def test_index_from_another_corpus_or_encoder_is_refused_naming_the_field(built, tmp_path):
     store = PassageStore.open(built.out / "passages")
-    cfg, params = encode.load_passage_encoder(built.encoder)
+    cfg, params = index_build.load_passage_encoder(built.encoder)
     tokenizer = hf.load_tokenizer(built.tokenizer)
 
     def expect(store, cfg, params):
@@ -479,7 +490,7 @@ def test_index_from_another_corpus_or_encoder_is_refused_naming_the_field(built,
     hf_fixtures.save_bert(
         other_encoder, seed=1, vocab_size=tokenizer.vocab_size, max_position_embeddings=48
     )
-    other_cfg, other_params = encode.load_passage_encoder(other_encoder)
+    other_cfg, other_params = index_build.load_passage_encoder(other_encoder)
     records = [store.passage(i) for i in range(len(store))]
     records[3] = Passage(records[3].id, records[3].title, records[3].text + " changed")
     other_store = PassageStore.build(records, tokenizer, tmp_path / "s")
@@ -499,14 +510,14 @@ def test_index_from_another_corpus_or_encoder_is_refused_naming_the_field(built,
     changed.write_text(built.corpus.read_text().replace("the river", "a river"))
     shutil.copytree(built.out, tmp_path / "out")
     with pytest.raises(ValueError, match=r"differs: \['corpus_checksum'\]"):
-        encode.build_index(
+        index_build.build_index(
             changed, built.encoder, built.tokenizer, tmp_path / "out", **built.kwargs
         )
 
 
 def test_disk_full_while_writing_vectors_says_so_and_a_rerun_resumes(built, tmp_path, monkeypatch):
     store = PassageStore.open(built.out / "passages")
-    cfg, params = encode.load_passage_encoder(built.encoder)
+    cfg, params = index_build.load_passage_encoder(built.encoder)
     tokenizer = hf.load_tokenizer(built.tokenizer)
     write = vector_files._HashingWriter.write
 
@@ -537,7 +548,7 @@ def test_disk_full_while_saving_an_index_or_store_says_so_and_keeps_what_was_the
     target = tmp_path / "index"
     shutil.copytree(built.out / "index", target)
     before = index.load(str(target))
-    monkeypatch.setattr(index, "json", types.SimpleNamespace(dump=_disk_full, load=json.load))
+    monkeypatch.setattr(index_files, "json", types.SimpleNamespace(dump=_disk_full, load=json.load))
     with pytest.raises(OSError, match=r"disk full while writing the index .*previous index there"):
         index.ExactIndex(built.vectors * 2, **built.provenance).save(str(target))
     monkeypatch.undo()
@@ -603,12 +614,12 @@ def test_config_errors_fail_at_start_up_naming_the_key_and_the_fix(overrides, er
                 node = node[p]
             node[leaf] = value
     with pytest.raises(error, match=message):
-        train.validate(config, 8)
+        config_checks.validate(config, 8)
 
 
 def test_config_defaults_and_the_tiny_config_pass_validation():
-    train.validate(default_config.get_config(), 8)
-    train.validate(tiny_config(), 1)
+    config_checks.validate(default_config.get_config(), 8)
+    config_checks.validate(tiny_config(), 1)
 
 
 def test_n_docs_larger_than_the_corpus_fails_before_training(tmp_path, compilation_cache):

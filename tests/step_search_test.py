@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh
 
-from rag_jax import checkpoints, retriever, train
-from rag_jax.index import DeviceIndex
+from rag_jax import batches, checkpoints, retriever, train
+from rag_jax.device_index import DeviceIndex
 
 sys.path.insert(0, os.path.dirname(__file__))
 from train_test import _flat, tiny_config  # noqa: E402
@@ -99,7 +99,7 @@ def test_preempted_in_step_search_resumes_bitwise(tmp_path, monkeypatch):
 
     monkeypatch.setattr(checkpoints, "_STOP_REQUESTED", threading.Event())
     previous = signal.getsignal(signal.SIGTERM)
-    original = train.Batcher.train_batch
+    original = batches.Batcher.train_batch
     stop_at = 3
 
     def sigterm_at(self, params, step, *args):
@@ -107,12 +107,12 @@ def test_preempted_in_step_search_resumes_bitwise(tmp_path, monkeypatch):
             os.kill(os.getpid(), signal.SIGTERM)  # through the trainer's real handler
         return original(self, params, step, *args)
 
-    monkeypatch.setattr(train.Batcher, "train_batch", sigterm_at)
+    monkeypatch.setattr(batches.Batcher, "train_batch", sigterm_at)
     try:
         assert train.train_and_evaluate(config, tmp_path / "resumed")["steps"] == stop_at + 1
     finally:
         signal.signal(signal.SIGTERM, previous)
-    monkeypatch.setattr(train.Batcher, "train_batch", original)
+    monkeypatch.setattr(batches.Batcher, "train_batch", original)
     checkpoints._STOP_REQUESTED.clear()
     assert train.train_and_evaluate(config, tmp_path / "resumed")["steps"] == STEPS
     _, resumed, _ = train.restore(tmp_path / "resumed")

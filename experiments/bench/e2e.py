@@ -42,7 +42,7 @@ import transformers
 from transformers.models.rag import retrieval_rag
 
 from bench import train_step as ts
-from rag_jax import experiment, hf, rag, train
+from rag_jax import batches, experiment, hf, rag, train
 from rag_jax.corpus import Passage
 from rag_jax.index import ExactIndex
 from rag_jax.retriever import Retriever
@@ -223,9 +223,11 @@ def make_batches(vocab_words, q_tok, g_tok, cfg, count: int, batch: int, seed: i
             " ".join(vocab_words[j] for j in rng.integers(0, len(vocab_words), rng.integers(1, 4)))
             for _ in range(batch)
         ]
-        enc = train.question_tokens(q_tok, questions, QUESTION)
+        enc = batches.question_tokens(q_tok, questions, QUESTION)
         out.append(
-            dict(enc, questions=questions, labels=train.answer_labels(g_tok, answers, cfg, TARGET))
+            dict(
+                enc, questions=questions, labels=batches.answer_labels(g_tok, answers, cfg, TARGET)
+            )
         )
     return out
 

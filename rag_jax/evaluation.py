@@ -1,0 +1,106 @@
+"""Held-out evaluation: generated answers (EM/F1) and retrieval recall@k, no example dropped.
+
+Legend: B batch, N docs, S context length, L generated length.
+"""
+
+import functools
+
+import jax
+import numpy as np
+
+from rag_jax import data, experiment, metrics, rag, rag_math, retriever, sharding
+from rag_jax.batches import Batcher
+
+
+def evaluate(exp: experiment.Experiment, params, examples, *, mesh, variant: str, ks=(1, 5)):
+    """EM/F1 of generated answers and retrieval recall@k over `examples` (none dropped).
+
+    On several hosts every process calls this with the same `examples`: each retrieves and feeds
+    its block of every batch, the generated tokens and retrieved ids of all blocks are gathered
+    to every process, and each example is scored exactly once, so all processes return the same
+    metrics and predictions (the trainer writes them from process 0).
+
+    Returns:
+      (metrics as floats, predictions: one dict per example with the answer and retrieved ids).
+    """
+    c = exp.config
+    batch_size = c.eval.batch_size
+    sharding.check_batch_divisible(batch_size, mesh.size, "eval batch")
+    batcher = Batcher(exp, mesh)
+    local = batch_size // batcher.blocks  # rows of each batch this process retrieves for
+    mine = slice(batcher.block * local, (batcher.block + 1) * local)
+    gen = _generate_fn(exp.rag_cfg, variant, c.eval.sequence_decoding)
+    ks = [k for k in ks if k <= exp.rag_cfg.n_docs]
+    totals, predictions = {}, []
+    for idx, mask in data.eval_batches(len(examples), batch_size):
+        batch_examples = [examples[i] for i in idx]
+        fields, pieces = batcher.questions(batch_examples[mine])
+        hits = batcher.retrieve(params, fields, pieces)
+        q_ids, q_mask, vecs, ctx, ctx_mask, doc_ids = sharding.shard_batch(
+            mesh,
+            (
+                fields["question_input_ids"],
+                fields["question_attention_mask"],
+                hits.doc_vectors,
+                hits.context_input_ids.reshape(local, -1, hits.context_input_ids.shape[-1]),
+                hits.context_attention_mask.reshape(local, -1, hits.context_input_ids.shape[-1]),
+                hits.doc_ids.astype(np.int32),
+            ),
+        )
+        # Every block's answers and retrieved rows, on every process: -> [B, L], [B, N].
+        tokens, doc_ids = sharding.gather_to_host(
+            (gen(params, q_ids, q_mask, vecs, ctx, ctx_mask), doc_ids)
+        )
+        answers = exp.generator_tokenizer.batch_decode(tokens, skip_special_tokens=True)
+        answers = [a.strip() for a in answers]
+        gold_answers = [e.answers for e in batch_examples]
+        ids = []
+        if isinstance(exp.retriever, retriever.ClosedBook):  # nothing retrieved: no recall
+            totals = metrics.merge_metrics(totals, metrics.qa_metrics(answers, gold_answers, mask))
+        else:
+            texts = [[exp.store.text(int(j)) for j in row] for row in doc_ids]
+            ids = [[exp.store.ids[int(j)] for j in row] for row in doc_ids]
+            totals = metrics.merge_metrics(
+                totals,
+                metrics.qa_metrics(answers, gold_answers, mask),
+                metrics.answer_recall(gold_answers, texts, ks, mask),
+                metrics.gold_recall(ids, [e.gold_ids for e in batch_examples], ks, mask),
+            )
+        for row, keep in enumerate(mask):
+            if keep:
+                e = batch_examples[row]
+                predictions.append(
+                    {
+                        "id": e.id,
+                        "question": e.question,
+                        "prediction": answers[row],
+                        "answers": list(e.answers),
+                        "retrieved": ids[row] if ids else [],
+                    }
+                )
+    return metrics.reduce_metrics(totals), predictions
+
+
+@functools.cache
+def _generate_fn(rag_cfg: rag.RagConfig, variant: str, sequence_decoding: str):
+    def fn(params, q_ids, q_mask, doc_vectors, ctx, ctx_mask):
+        q = rag.question_embeddings(rag_cfg, params, q_ids, q_mask)
+        scores = rag_math.doc_scores(q, doc_vectors)  # -> [B, N]
+        flat = ctx.reshape(-1, ctx.shape[-1])  # -> [B * N, S]
+        return rag.generate(
+            rag_cfg,
+            params,
+            flat,
+            ctx_mask.reshape(flat.shape),
+            scores,
+            variant=variant,
+            sequence_decoding=sequence_decoding,
+        )
+
+    return jax.jit(fn)
+
+
+def summary_metrics(m: dict) -> tuple[float, float]:
+    """(recall@5, EM): gold-passage recall where gold ids exist, else answer recall."""
+    recall = m.get("gold_recall@5", m.get("answer_recall@5", float("nan")))
+    return recall, m.get("exact_match", float("nan"))
