@@ -16,146 +16,21 @@ index is rebuilt from the edited corpus with the trained passage encoder, no par
 and EM is measured against the new answers on the edited facts and against the old ones on the
 rest.
 
-Writes `<out>/results.json`, `<out>/curves.png` (held-out gold recall@5 and EM against the step
-for rows 2-4) and prints a Markdown table. Each row's run directory `<out>/<row>` keeps its
+The rows, the experiment and the hot-swap test are `rag_jax.feedback`. Writes
+`<out>/results.json`, `<out>/curves.png` (held-out gold recall@5 and EM against the step for rows
+2-4) and prints a Markdown table. Each row's run directory `<out>/<row>` keeps its
 checkpoints and `metrics.jsonl`; an interrupted experiment resumes where it stopped.
 """
 
 import argparse
-import json
 import os
 import pathlib
 import sys
-import time
-
-import ml_collections
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent / "configs"))
 import feedback as feedback_config  # noqa: E402
 
-from rag_jax import evaluation, experiment, synthetic, train  # noqa: E402
-from rag_jax.corpus import Passage  # noqa: E402
-
-FREEZE_RETRIEVER = r"^(passage_encoder/|question_encoder/|generator/final_logits_bias)"
-FREEZE_GENERATOR_BIAS = r"^(generator/final_logits_bias)"
-
-COLUMNS = ("gold_recall@1", "gold_recall@5", "answer_recall@5", "exact_match", "f1")
-
-
-def rows(quick: bool) -> dict[str, dict]:
-    """Row name -> config overrides (dotted keys)."""
-    out = {
-        "closed_book": {
-            "rag.closed_book": True,
-            "rag.n_docs": 1,
-            "train.freeze": FREEZE_RETRIEVER,
-            "warm_start.method": "none",
-        },
-    }
-    variants = ("sequence",) if quick else ("sequence", "token")
-    for variant in variants:
-        out[f"frozen_{variant}"] = {"rag.variant": variant, "train.freeze": FREEZE_RETRIEVER}
-        out[f"joint_{variant}"] = {"rag.variant": variant}
-    if not quick:
-        out["joint_refresh"] = {
-            "train.freeze": FREEZE_GENERATOR_BIAS,
-            "retrieval.refresh_every": feedback_config.REFRESH_EVERY,
-        }
-    return out
-
-
-def row_config(base: ml_collections.ConfigDict, overrides: dict, cache_dir: str):
-    config = ml_collections.ConfigDict(base.to_dict())
-    for key, value in overrides.items():
-        node = config
-        *parents, leaf = key.split(".")
-        for p in parents:
-            node = node[p]
-        node[leaf] = value
-    config.warm_start.cache_dir = cache_dir  # rows share one warm start
-    return config
-
-
-def curves(workdir: pathlib.Path) -> list[dict]:
-    """The eval/* lines of a run's metrics.jsonl, one per evaluated step (latest wins)."""
-    by_step = {}
-    with open(workdir / "metrics.jsonl", encoding="utf-8") as f:
-        for line in f:
-            record = json.loads(line)
-            values = {k[5:]: v for k, v in record.items() if k.startswith("eval/")}
-            if values:
-                by_step[record["step"]] = values
-    return [{"step": step, **values} for step, values in sorted(by_step.items())]
-
-
-def hot_swap(workdir: pathlib.Path, fraction: float, seed: int) -> dict:
-    """EM on edited held-out facts (new answers) vs unedited ones, after re-indexing only."""
-    exp, state, _ = train.restore(workdir)
-    world, edited = synthetic.edit_facts(exp.world, fraction, seed, split="eval")
-    store = experiment.build_store(
-        [Passage(p.id, p.title, p.text) for p in world.passages],
-        exp.generator_tokenizer,
-        workdir / "hot_swap_passages",
-        exp.rag_cfg,
-    )
-    vectors = experiment.encode_store(
-        store, exp.passage_cfg, state.params["passage_encoder"], exp.question_tokenizer, exp.config
-    )
-    exp.retriever = exp.retriever.swap(
-        experiment.make_index(vectors, exp.config.retrieval.index), store, vectors
-    )
-    examples = experiment.examples_from_world(world, "eval")
-    edited_ids = {f"{f.entity.replace(' ', '_')}:{f.relation}" for f in edited}
-    mesh = train.device_mesh(exp.config)
-    out = {"edited_facts": len(edited_ids)}
-    for name, subset in (
-        ("edited", [e for e in examples if e.id in edited_ids]),
-        ("unedited", [e for e in examples if e.id not in edited_ids]),
-    ):
-        m, _ = evaluation.evaluate(
-            exp, state.params, subset, mesh=mesh, variant=exp.config.rag.variant
-        )
-        out[f"em_{name}"] = m["exact_match"]
-        out[f"gold_recall@5_{name}"] = m.get("gold_recall@5", float("nan"))
-    out["em_ratio"] = out["em_edited"] / out["em_unedited"] if out["em_unedited"] else float("nan")
-    return out
-
-
-def plot(results: dict, path: pathlib.Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for name, row in results["rows"].items():
-        if name == "closed_book":
-            continue
-        steps = [c["step"] for c in row["curve"]]
-        for ax, key in zip(axes, ("gold_recall@5", "exact_match")):
-            ax.plot(steps, [c.get(key, float("nan")) for c in row["curve"]], marker=".", label=name)
-    for ax, title in zip(axes, ("held-out gold-passage recall@5", "held-out exact match")):
-        ax.set_title(title)
-        ax.set_xlabel("training step")
-        ax.set_ylim(0, 1)
-        ax.grid(alpha=0.3)
-    axes[0].legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-def table(results: dict) -> str:
-    lines = [
-        "| row | " + " | ".join(COLUMNS) + " | hot-swap EM edited / unedited |",
-        "|---" * (len(COLUMNS) + 2) + "|",
-    ]
-    for name, row in results["rows"].items():
-        cells = [f"{row['final'][k]:.3f}" if k in row["final"] else "-" for k in COLUMNS]
-        swap = row.get("hot_swap")
-        swap_cell = f"{swap['em_edited']:.3f} / {swap['em_unedited']:.3f}" if swap else "-"
-        lines.append(f"| {name} | " + " | ".join(cells) + f" | {swap_cell} |")
-    return "\n".join(lines)
+from rag_jax import feedback  # noqa: E402
 
 
 def main(argv=None):
@@ -167,43 +42,24 @@ def main(argv=None):
     args = parser.parse_args(argv)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-    out = pathlib.Path(args.out).absolute()
-    out.mkdir(parents=True, exist_ok=True)
     base = feedback_config.get_config(quick=args.quick)
-    selected = rows(args.quick)
+    selected = feedback.rows(args.quick, feedback_config.REFRESH_EVERY)
     if args.rows:
         unknown = set(args.rows.split(",")) - set(selected)
         if unknown:
             parser.error(f"unknown rows {sorted(unknown)}; choose from {sorted(selected)}")
         selected = {k: v for k, v in selected.items() if k in args.rows.split(",")}
 
-    results = {"config": base.to_dict(), "quick": args.quick, "rows": {}}
-    previous = out / "results.json"
-    if previous.is_file():  # rows run earlier into the same --out are kept
-        results["rows"] = json.loads(previous.read_text()).get("rows", {})
-    start = time.perf_counter()
-    for name, overrides in selected.items():
-        print(f"\n== {name} ==", flush=True)
-        t0 = time.perf_counter()
-        config = row_config(base, overrides, str(out / "cache"))
-        summary = train.train_and_evaluate(config, out / name)
-        row = {
-            "overrides": overrides,
-            "final": summary["eval"],
-            "curve": curves(out / name),
-            "seconds": round(time.perf_counter() - t0, 1),
-        }
-        if name != "closed_book":
-            row["hot_swap"] = hot_swap(out / name, feedback_config.HOT_SWAP_FRACTION, base.seed)
-        results["rows"][name] = row
-        print(json.dumps({name: {"final": row["final"], "hot_swap": row.get("hot_swap")}}))
-        (out / "results.json").write_text(json.dumps(results, indent=1, sort_keys=True))
-    results["seconds"] = round(time.perf_counter() - start, 1)
-
-    (out / "results.json").write_text(json.dumps(results, indent=1, sort_keys=True))
-    if not args.no_plot:
-        plot(results, out / "curves.png")
-    print("\n" + table(results))
+    out = pathlib.Path(args.out).absolute()
+    results = feedback.run(
+        base,
+        out,
+        selected,
+        hot_swap_fraction=feedback_config.HOT_SWAP_FRACTION,
+        quick=args.quick,
+        make_plot=not args.no_plot,
+    )
+    print("\n" + feedback.table(results))
     print(f"\nwrote {out / 'results.json'}" + ("" if args.no_plot else f", {out / 'curves.png'}"))
     print(f"total {results['seconds']:.0f} s")
     return results

@@ -20,7 +20,7 @@ from rag_jax import bart, bert, rag
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "experiments"))
-import accelerator_check as ac  # noqa: E402
+from bench import accelerator as ac  # noqa: E402
 
 
 def _matmul_flops(jaxpr) -> int:
