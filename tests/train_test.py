@@ -207,6 +207,7 @@ def test_jsonl_data_path(tmp_path, shared_data):
             "data.source": "files",
             "model.init": "pretrained",
             "model.question_encoder_path": str(minilm_path()),
+            "warm_start.method": "none",  # the pretrained towers are the retriever under test
             "train.steps": 2,
             "rag.max_combined_length": 64,
             "retrieval.passage_max_length": 64,
