@@ -204,6 +204,16 @@ def _init_bert(cfg: bert.BertConfig, rng) -> dict:
     return bert.BertEncoder(cfg).init(rng, ids, ids)["params"]
 
 
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    return True
+
+
 def build_store(passages, tokenizer, directory: pathlib.Path, rag_cfg: rag.RagConfig):
     """Opens the passage store in `directory`, or builds it there from `passages`.
 
@@ -212,16 +222,19 @@ def build_store(passages, tokenizer, directory: pathlib.Path, rag_cfg: rag.RagCo
 
     Several processes may share `directory` (hosts of one run on a shared workdir): each builds
     into a private sibling folder and renames it into place, so a store appears whole, with its
-    manifest, or not at all; a process that finds the place taken keeps the winner's store.
+    manifest, or not at all; a process that finds the place taken keeps the winner's store. A
+    private folder left by a killed build of this host is removed by the next build.
     """
     directory, passages = pathlib.Path(directory), list(passages)
     layout = dict(prefix=rag_cfg.prefix or "", title_sep=rag_cfg.title_sep, doc_sep=rag_cfg.doc_sep)
     if not (directory / "manifest.json").is_file():
         if directory.exists():  # no manifest: not a store this function renamed into place
             shutil.rmtree(directory)
-        private = directory.with_name(
-            f"{directory.name}.building-{socket.gethostname()}-{os.getpid()}"
-        )
+        host = socket.gethostname()
+        for stale in directory.parent.glob(f"{directory.name}.building-{host}-*"):
+            if not _process_alive(int(stale.name.rsplit("-", 1)[1])):  # a killed build
+                shutil.rmtree(stale, ignore_errors=True)
+        private = directory.with_name(f"{directory.name}.building-{host}-{os.getpid()}")
         shutil.rmtree(private, ignore_errors=True)
         PassageStore.build(passages, tokenizer, private, **layout)
         try:

@@ -233,6 +233,10 @@ def test_workdir_stores_appear_whole_when_processes_race(tmp_path, bart_tokenize
         rename(tmp_path / "other", dst)
         rename(src, dst)  # now fails: the place is taken
 
+    import socket
+
+    dead = tmp_path / f"passages.building-{socket.gethostname()}-999999999"  # a killed build's
+    dead.mkdir()
     monkeypatch.setattr(os, "rename", another_process_wins)
     store = experiment.build_store(iter(records), bart_tokenizer, target, layout)
     assert [store.passage(i) for i in range(2)] == records
