@@ -3,23 +3,11 @@ r"""The feedback loop, measured: does the answer loss teach the retriever what t
     python experiments/feedback_loop.py --out /tmp/feedback            # the full experiment
     python experiments/feedback_loop.py --out /tmp/feedback_quick --quick
 
-Same seed, same world, same step budget for every row, all evaluated on held-out entities:
-  1. closed_book       the generator alone, no retrieval (parametric memory only);
-  2. frozen_<variant>  inverse-cloze retriever, then frozen; the generator trains (bolt-on RAG);
-  3. joint_<variant>   the question encoder trains through the RAG marginal likelihood (the
-                       passage encoder frozen: the paper's setting);
-  4. joint_refresh     the passage encoder trains too, the index re-encoded every k steps.
-Rows 2-3 run for RAG-Sequence and RAG-Token. No row uses gold passage ids in training.
-
-Then the hot-swap test for rows 2-4: a sample of held-out facts get new answers in the corpus, the
-index is rebuilt from the edited corpus with the trained passage encoder, no parameter changes,
-and EM is measured against the new answers on the edited facts and against the old ones on the
-rest.
-
-The rows, the experiment and the hot-swap test are `rag_jax.feedback`. Writes
-`<out>/results.json`, `<out>/curves.png` (held-out gold recall@5 and EM against the step for rows
-2-4) and prints a Markdown table. Each row's run directory `<out>/<row>` keeps its
-checkpoints and `metrics.jsonl`; an interrupted experiment resumes where it stopped.
+Rows 1-4 (closed book, frozen retriever, joint, joint with index refresh) and the hot-swap test are
+described and run by `rag_jax.feedback`. Writes `<out>/results.json`, `<out>/curves.png` (held-out
+gold recall@5 and EM against the step for rows 2-4) and prints a Markdown table. Each row's run
+directory `<out>/<row>` keeps its checkpoints and `metrics.jsonl`; an interrupted experiment
+resumes where it stopped.
 """
 
 import argparse
