@@ -104,16 +104,9 @@ def write_atomic(path: pathlib.Path, data: bytes) -> None:
 
 
 def write_manifest(directory: pathlib.Path, manifest: dict) -> None:
-    """Replaces `directory/manifest.json` atomically (temp file, fsync, rename)."""
-    tmp = directory / (MANIFEST + ".tmp")
-    with _disk_full_names(tmp, f"{directory / MANIFEST}"):
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(manifest, f, indent=1, sort_keys=True)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, directory / MANIFEST)
-    _fsync_dir(directory)
+    """Replaces `directory/manifest.json` atomically (`write_atomic`)."""
+    text = json.dumps(manifest, indent=1, sort_keys=True) + "\n"
+    write_atomic(directory / MANIFEST, text.encode("utf-8"))
 
 
 def read_manifest(directory, expect: dict | None = None) -> dict:
