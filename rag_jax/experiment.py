@@ -228,21 +228,8 @@ def build_store(passages, tokenizer, directory: pathlib.Path, rag_cfg: rag.RagCo
     directory, passages = pathlib.Path(directory), list(passages)
     layout = dict(prefix=rag_cfg.prefix or "", title_sep=rag_cfg.title_sep, doc_sep=rag_cfg.doc_sep)
     if not (directory / "manifest.json").is_file():
-        if directory.exists():  # no manifest: not a store this function renamed into place
-            shutil.rmtree(directory)
-        host = socket.gethostname()
-        for stale in directory.parent.glob(f"{directory.name}.building-{host}-*"):
-            if not _process_alive(int(stale.name.rsplit("-", 1)[1])):  # a killed build
-                shutil.rmtree(stale, ignore_errors=True)
-        private = directory.with_name(f"{directory.name}.building-{host}-{os.getpid()}")
-        shutil.rmtree(private, ignore_errors=True)
-        PassageStore.build(passages, tokenizer, private, **layout)
-        try:
-            os.rename(private, directory)
-        except OSError:
-            if not (directory / "manifest.json").is_file():
-                raise
-            shutil.rmtree(private)  # another process renamed its build first
+        if _build_into_place(passages, tokenizer, directory, layout):
+            return PassageStore.open(directory)  # built from `passages` just now: nothing to check
     store = PassageStore.open(directory)
     stale = store.differences(corpus_checksum(passages), tokenizer, **layout)
     if stale:
@@ -251,6 +238,32 @@ def build_store(passages, tokenizer, directory: pathlib.Path, rag_cfg: rag.RagCo
             f"(differs: {stale}); use a fresh workdir or delete {directory}"
         )
     return store
+
+
+def _build_into_place(passages, tokenizer, directory: pathlib.Path, layout: dict) -> bool:
+    """Builds the store in a private sibling folder and renames it to `directory`.
+
+    Returns:
+      True when this build took the place; False when another process's store was there first.
+    """
+    host = socket.gethostname()
+    for stale in directory.parent.glob(f"{directory.name}.building-{host}-*"):
+        if not _process_alive(int(stale.name.rsplit("-", 1)[1])):  # a killed build
+            shutil.rmtree(stale, ignore_errors=True)
+    private = directory.with_name(f"{directory.name}.building-{host}-{os.getpid()}")
+    shutil.rmtree(private, ignore_errors=True)
+    PassageStore.build(passages, tokenizer, private, **layout)
+    for _ in range(2):
+        try:
+            os.rename(private, directory)
+            return True
+        except OSError:
+            if (directory / "manifest.json").is_file():
+                shutil.rmtree(private)  # another process renamed its build first
+                return False
+            # No manifest: the leftovers of a build that wrote into place (older layouts).
+            shutil.rmtree(directory)
+    raise FileExistsError(f"could not move the passage store built in {private} to {directory}")
 
 
 def encode_store(store, passage_cfg, passage_params, tokenizer, config) -> np.ndarray:

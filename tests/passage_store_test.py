@@ -228,10 +228,11 @@ def test_workdir_stores_appear_whole_when_processes_race(tmp_path, bart_tokenize
     (target / "ids.bin").write_bytes(b"half")  # a killed build of an older layout: replaced
     rename = os.rename
 
-    def another_process_wins(src, dst):  # it renames its own build into place first
-        PassageStore.build(records, bart_tokenizer, tmp_path / "other")
-        rename(tmp_path / "other", dst)
-        rename(src, dst)  # now fails: the place is taken
+    def another_process_wins(src, dst):  # it renames its own build into a free place first
+        if not os.path.exists(dst):
+            PassageStore.build(records, bart_tokenizer, tmp_path / "other")
+            rename(tmp_path / "other", dst)
+        rename(src, dst)  # fails: the place is taken (by the leftover, then by the winner)
 
     import socket
 
