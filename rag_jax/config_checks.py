@@ -1,4 +1,5 @@
-"""Start-up checks of a training config: unknown keys, inconsistent settings, missing paths.
+"""Training configs: dotted-key overrides, and the start-up checks (unknown keys, inconsistent
+settings, missing paths).
 
 Each error names the setting, its value and what would be right, before anything is built.
 """
@@ -10,6 +11,18 @@ import re
 import ml_collections
 
 from rag_jax import hf, sharding
+
+
+def override(config: ml_collections.ConfigDict, settings: dict) -> ml_collections.ConfigDict:
+    """Sets dotted keys (`{"train.steps": 50}`) in `config`, in place; returns it."""
+    for key, value in settings.items():
+        node = config
+        *parents, leaf = key.split(".")
+        for name in parents:
+            node = node[name]
+        node[leaf] = value
+    return config
+
 
 # Every setting the library and the experiment scripts read, by section. Anything else is a typo
 # (or a setting of another version) that would be silently ignored, so `validate` refuses it. A

@@ -20,7 +20,7 @@ import time
 
 import ml_collections
 
-from rag_jax import evaluation, experiment, synthetic, train, vector_files
+from rag_jax import config_checks, evaluation, experiment, synthetic, train, vector_files
 from rag_jax.corpus import Passage
 
 FREEZE_RETRIEVER = r"^(passage_encoder/|question_encoder/|generator/final_logits_bias)"
@@ -53,13 +53,7 @@ def rows(quick: bool, refresh_every: int) -> dict[str, dict]:
 
 def row_config(base: ml_collections.ConfigDict, overrides: dict, cache_dir: str):
     """`base` with a row's overrides; every row shares the warm start cached in `cache_dir`."""
-    config = ml_collections.ConfigDict(base.to_dict())
-    for key, value in overrides.items():
-        node = config
-        *parents, leaf = key.split(".")
-        for p in parents:
-            node = node[p]
-        node[leaf] = value
+    config = config_checks.override(ml_collections.ConfigDict(base.to_dict()), overrides)
     config.warm_start.cache_dir = cache_dir  # rows share one warm start
     return config
 

@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT))  # a worker runs this file as a script
 sys.path.insert(0, str(ROOT / "experiments" / "configs"))
 import default as default_config  # noqa: E402
 
-from rag_jax import batches, checkpoints, index, rag, sharding, train  # noqa: E402
+from rag_jax import batches, checkpoints, config_checks, index, rag, sharding, train  # noqa: E402
 from rag_jax.device_index import DeviceIndex  # noqa: E402
 
 NUM_PROCESSES = 2
@@ -272,13 +272,7 @@ def _tiny_config(**overrides):
         "retrieval.passage_max_length": 32,
         **overrides,
     }
-    for key, value in settings.items():
-        node = config
-        *parents, leaf = key.split(".")
-        for name in parents:
-            node = node[name]
-        node[leaf] = value
-    return config
+    return config_checks.override(config, settings)
 
 
 def _train_job(out: pathlib.Path, one_process_dir: str) -> None:

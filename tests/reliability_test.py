@@ -77,14 +77,7 @@ TINY = {
 
 
 def tiny_config(**overrides):
-    config = default_config.get_config()
-    for key, value in {**TINY, **overrides}.items():
-        node = config
-        *parents, leaf = key.split(".")
-        for p in parents:
-            node = node[p]
-        node[leaf] = value
-    return config
+    return config_checks.override(default_config.get_config(), {**TINY, **overrides})
 
 
 def _flat(tree):
@@ -607,12 +600,7 @@ def test_a_store_build_killed_before_its_manifest_is_rebuilt(built, tmp_path):
 def test_config_errors_fail_at_start_up_naming_the_key_and_the_fix(overrides, error, message):
     config = tiny_config()
     with config.unlocked():
-        for key, value in overrides.items():
-            node = config
-            *parents, leaf = key.split(".")
-            for p in parents:
-                node = node[p]
-            node[leaf] = value
+        config_checks.override(config, overrides)
     with pytest.raises(error, match=message):
         config_checks.validate(config, 8)
 

@@ -13,7 +13,7 @@ import jax
 import numpy as np
 import pytest
 
-from rag_jax import checkpoints, experiment, train
+from rag_jax import checkpoints, config_checks, experiment, train
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "experiments" / "configs"))
@@ -35,13 +35,7 @@ def tiny_config(**overrides):
     config.rag.n_docs = 5
     config.rag.max_combined_length = 32
     config.retrieval.passage_max_length = 32
-    for key, value in overrides.items():
-        node = config
-        *parents, leaf = key.split(".")
-        for p in parents:
-            node = node[p]
-        node[leaf] = value
-    return config
+    return config_checks.override(config, overrides)
 
 
 def _flat(tree):
