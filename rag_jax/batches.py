@@ -14,6 +14,7 @@ import jax
 import numpy as np
 
 from rag_jax import data, encode, experiment, metrics, rag, retriever, sharding
+from rag_jax.device_index import DeviceIndex
 
 
 def question_tokens(tokenizer, questions, max_length: int) -> dict[str, np.ndarray]:
@@ -51,7 +52,8 @@ class Batcher:
 
     On several hosts each process assembles only its block of every global batch (rows
     `sharding.process_block(mesh)`): its own questions, encoded in the global jitted call and
-    searched in its own replica of the index; `sharding.shard_batch` then joins the blocks.
+    searched in its own replica of a host index, or by all processes together in a `DeviceIndex`
+    that spans the pod; `sharding.shard_batch` then joins the blocks.
     """
 
     def __init__(self, exp: experiment.Experiment, mesh):
@@ -73,13 +75,20 @@ class Batcher:
     def retrieve(self, params, fields, pieces):
         """Encodes with the current question encoder and retrieves; returns host arrays.
 
-        `fields` and `pieces` hold this process's rows; so does the result.
+        `fields` and `pieces` hold this process's rows; so does the result. A `DeviceIndex`
+        that spans processes is searched by all of them together with the global batch; any
+        other index is this process's own and searched with its rows only.
         """
         ids, mask = sharding.shard_batch(
             self.mesh, (fields["question_input_ids"], fields["question_attention_mask"])
         )
-        q = sharding.local_rows(self.embed(params, ids, mask))  # -> [local B, D]
-        return self.exp.retriever(q, pieces)
+        q = self.embed(params, ids, mask)  # -> [B, D], sharded over the batch
+        index = getattr(self.exp.retriever, "index", None)  # ClosedBook has none
+        if isinstance(index, DeviceIndex) and not index.vectors.is_fully_addressable:
+            scores, doc_ids = index.search(q, self.exp.rag_cfg.n_docs)  # -> [B, N] replicated
+            own = functools.partial(sharding.own_rows, mesh=self.mesh)
+            return self.exp.retriever.gather(own(doc_ids), pieces, own(scores))
+        return self.exp.retriever(sharding.local_rows(q), pieces)  # [local B, D] queries
 
     def passage_tokens(self, doc_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Passage-encoder inputs [B * N, P] of the retrieved passages, as the index reads them."""

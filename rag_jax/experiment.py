@@ -37,7 +37,7 @@ import jax
 import ml_collections
 import numpy as np
 
-from rag_jax import bart, bert, data, encode, hf, rag, synthetic, vector_files, warm_start
+from rag_jax import bart, bert, data, encode, hf, rag, sharding, synthetic, vector_files, warm_start
 from rag_jax.corpus import Passage, corpus_checksum, read_passages
 from rag_jax.device_index import DeviceIndex
 from rag_jax.index import ExactIndex, ScannIndex
@@ -269,8 +269,9 @@ def _build_into_place(passages, tokenizer, directory: pathlib.Path, layout: dict
 def encode_store(store, passage_cfg, passage_params, tokenizer, config) -> np.ndarray:
     """[C, D] float32 vectors of every passage in the store.
 
-    Encoded on this process's devices: on several hosts each one builds its own replica of the
-    host index (the encoder's default mesh refuses to span processes).
+    Encoded on this process's devices: on several hosts each one encodes the whole corpus, for
+    its own replica of a host index, or for its own devices' rows of a `DeviceIndex` (the
+    encoder's default mesh refuses to span processes).
     """
     return encode.encode_passages(
         passage_cfg,
@@ -355,18 +356,22 @@ def _cached_ict(config, rag_cfg, p_cfg, params, tokenizer, store, workdir) -> di
     return params
 
 
-def make_index(vectors: np.ndarray, kind: str):
+def make_index(vectors: np.ndarray, kind: str, mesh: jax.sharding.Mesh | None = None):
     """The index `config.retrieval.index` names over `vectors` [C, D].
 
-    "exact" and "scann" search on the host; "device" shards the vectors over this process's
-    devices (`DeviceIndex`) and searches there, one jitted program per batch.
+    "exact" and "scann" search on the host; "device" shards the vectors over the `data` axis of
+    `mesh` (`DeviceIndex`; default: this process's devices) and searches there, one jitted
+    program per batch. A mesh that spans processes splits the corpus over the whole pod; every
+    process must then build it from the same vectors and search it together (see `DeviceIndex`).
     """
     if kind == "exact":
         return ExactIndex(vectors)
     if kind == "scann":
         return ScannIndex.build(vectors)
     if kind == "device":
-        return DeviceIndex(vectors, jax.sharding.Mesh(np.array(jax.local_devices()), ("data",)))
+        if mesh is None:
+            mesh = jax.sharding.Mesh(np.array(jax.local_devices()), ("data",))
+        return DeviceIndex(vectors, mesh)
     raise ValueError(f"config.retrieval.index must be exact, scann or device, got {kind!r}")
 
 
@@ -420,11 +425,21 @@ def build(config: ml_collections.ConfigDict, workdir) -> Experiment:
             f"config.rag.n_docs={rag_cfg.n_docs} exceeds the corpus size {len(store)}; use at "
             f"most {len(store)}"
         )
+    # A device index spans every device of every process: on a pod the corpus is split over
+    # all accelerators, and the train step (one mesh over the same devices) can search it.
+    pod = sharding.data_mesh()
     if index_dir:
         ix, vectors = load_index_dir(index_dir, store, p_cfg, params["passage_encoder"])
+        if config.retrieval.index == "device" and not isinstance(ix, DeviceIndex):
+            ix = DeviceIndex(
+                vectors,
+                pod,
+                encoder_fingerprint=ix.encoder_fingerprint,
+                corpus_checksum=ix.corpus_checksum,
+            )
     else:
         vectors = encode_store(store, p_cfg, params["passage_encoder"], q_tok, config)
-        ix = make_index(vectors, config.retrieval.index)
+        ix = make_index(vectors, config.retrieval.index, pod)
     retriever = Retriever(
         ix,
         store,

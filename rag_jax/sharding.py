@@ -303,6 +303,23 @@ def local_rows(x: jax.Array) -> np.ndarray:
     return np.concatenate(host)
 
 
+def own_rows(x: jax.Array, mesh: Mesh) -> np.ndarray:
+    """This process's rows of a replicated `[B, ...]` array, on the host, without communication.
+
+    For results every device holds whole (e.g. the ids of an in-graph `DeviceIndex` search) of a
+    batch whose rows `shard_batch` spread over `mesh`: the same rows `local_rows` gives for the
+    batch-sharded inputs.
+    """
+    if not x.is_fully_replicated:
+        raise ValueError(f"own_rows needs a replicated array; got sharding {x.sharding}")
+    block, blocks = process_block(mesh)
+    whole = np.asarray(x.addressable_data(0))  # -> [B, ...]
+    if len(whole) % blocks:
+        raise ValueError(f"{len(whole)} rows do not split into {blocks} process blocks")
+    size = len(whole) // blocks
+    return whole[block * size : (block + 1) * size]
+
+
 def gather_to_host(tree: Any) -> Any:
     """The full value of every (global) array of a pytree, as numpy, on every process.
 

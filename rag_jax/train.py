@@ -220,8 +220,8 @@ def step_index(config: ml_collections.ConfigDict, exp: experiment.Experiment, me
 
     The search runs inside the step when `config.retrieval.index` is "device",
     `config.retrieval.search_in_step` is on, the stored vectors never change (no refresh) and the
-    index lives on the step's devices (one process training on all of its devices); otherwise
-    each batch is retrieved between the steps.
+    index lives on the step's devices (training on all devices, of one process or of a pod);
+    otherwise each batch is retrieved between the steps.
     """
     r = config.retrieval
     if r.index != "device" or not r.get("search_in_step", True) or r.get("refresh_every", 0):
@@ -435,7 +435,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir) -> dict:
             host_batch, recall = batcher.train_batch(state.params, step)
             inputs = (sharding.shard_batch(mesh, host_batch),)
         else:
-            doc_ids = np.asarray(jax.device_get(state.next_doc_ids))  # one process: all rows
+            doc_ids = sharding.own_rows(state.next_doc_ids, mesh)  # -> [local B, N]
             host_batch, recall = batcher.train_batch(None, step, doc_ids)
             next_questions = sharding.shard_batch(mesh, batcher.question_fields(step + 1))
             inputs = (sharding.shard_batch(mesh, host_batch), index, next_questions)
@@ -499,5 +499,6 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir) -> dict:
         "em_before": em_before,
         "em_after": em_after,
         "steps": step,
+        "search_in_step": index is not None,
         "eval": after,
     }

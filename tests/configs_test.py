@@ -7,9 +7,11 @@ import pathlib
 import re
 
 import ml_collections
+import numpy as np
 import pytest
 
 from rag_jax import bart, bert, config_checks, data, experiment, index_build, train
+from rag_jax.device_index import DeviceIndex
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CONFIG_DIR = ROOT / "experiments" / "configs"
@@ -249,6 +251,17 @@ def test_prebuilt_index_dir_is_used_and_checked(shared_data, tmp_path):
     _, ids = exp.retriever.index.search(vectors[:4], 1)
     assert ids[:, 0].tolist() == [0, 1, 2, 3]
     assert not (tmp_path / "work" / "passages").exists()  # nothing re-encoded or re-stored
+
+    # index="device": the same vectors, sharded over the devices, with the folder's provenance.
+    config.retrieval.index = "device"
+    on_device = experiment.build(config, tmp_path / "work_device").retriever.index
+    assert isinstance(on_device, DeviceIndex) and on_device.count == built["count"]
+    assert on_device.corpus_checksum == exp.retriever.index.corpus_checksum
+    assert on_device.encoder_fingerprint == exp.retriever.index.encoder_fingerprint
+    np.testing.assert_array_equal(
+        on_device.search(vectors[:4], 3)[1], exp.retriever.index.search(vectors[:4], 3)[1]
+    )
+    config.retrieval.index = "exact"
 
     # Another passage encoder: the index is refused, naming the mismatch.
     save_bert(tmp_path / "other")

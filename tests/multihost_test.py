@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT))  # a worker runs this file as a script
 sys.path.insert(0, str(ROOT / "experiments" / "configs"))
 import default as default_config  # noqa: E402
 
-from rag_jax import batches, checkpoints, config_checks, index, rag, sharding, train  # noqa: E402
+from rag_jax import batches, checkpoints, config_checks, data, index, rag, sharding, train  # noqa: E402
 from rag_jax.device_index import DeviceIndex  # noqa: E402
 
 NUM_PROCESSES = 2
@@ -146,6 +146,7 @@ def _collectives_job(out: pathlib.Path) -> None:
     q = sharding.shard_batch(mesh, queries[rows])
     scores, ids = jax.jit(lambda ix, q: ix.search(q, K))(ix, q)
     results["graph_scores"], results["graph_ids"] = sharding.gather_to_host((scores, ids))
+    results["own_ids"] = sharding.own_rows(ids, mesh)  # replicated result: this block's rows
     try:
         ix.search(queries + p, K)  # different queries on each process
     except AssertionError as e:
@@ -183,6 +184,8 @@ def test_device_index_across_two_processes_matches_exact(collectives):
             np.testing.assert_array_equal(r[f"{path}_ids"], want_ids, err_msg=path)
             np.testing.assert_allclose(r[f"{path}_scores"], want_scores, rtol=1e-5, atol=1e-5)
         assert "same queries on every process" in str(r["mismatch_error"])
+    for p, r in enumerate(results):
+        np.testing.assert_array_equal(r["own_ids"], want_ids[p * B // 2 : (p + 1) * B // 2])
     saved = index.ExactIndex.load(str(out / "index"))  # written by process 0 from all shards
     np.testing.assert_array_equal(saved.vectors, vectors)
 
@@ -275,9 +278,9 @@ def _tiny_config(**overrides):
     return config_checks.override(config, settings)
 
 
-def _train_job(out: pathlib.Path, one_process_dir: str) -> None:
+def _train_job(out: pathlib.Path, one_process_dir: str, overrides: dict) -> None:
     p = jax.process_index()
-    config = _tiny_config()
+    config = _tiny_config(**overrides)
     config.train.checkpoint_dir = str(out / "ckpt")  # shared by both; the workdirs are not
     summary = train.train_and_evaluate(config, out / f"work{p}")
     (out / f"summary{p}.json").write_text(json.dumps(summary))
@@ -292,19 +295,31 @@ def _flat(tree) -> dict[str, np.ndarray]:
     return {jax.tree_util.keystr(path): np.asarray(v) for path, v in leaves}
 
 
-@pytest.fixture(scope="module")
-def two_runs(tmp_path_factory):
+def _two_runs(tmp_path_factory, **overrides):
     """(one-process workdir, two-process directory) after 3 steps each."""
     one = tmp_path_factory.mktemp("one_process")
-    train.train_and_evaluate(_tiny_config(), one)
+    train.train_and_evaluate(_tiny_config(**overrides), one)
     two = tmp_path_factory.mktemp("two_processes")
-    _run_workers("train", two, timeout=900, one_process_dir=str(one))
+    _run_workers("train", two, timeout=900, one_process_dir=str(one), overrides=overrides)
     return one, two
 
 
-@pytest.mark.slow
-def test_two_processes_train_like_one_and_checkpoints_move_between_them(two_runs):
-    one, two = two_runs
+@pytest.fixture(scope="module")
+def two_runs(tmp_path_factory):
+    return _two_runs(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def two_runs_pod_index(tmp_path_factory):
+    """As `two_runs`, with the corpus sharded over all 8 devices and searched in the step."""
+    return _two_runs(tmp_path_factory, **{"retrieval.index": "device"})
+
+
+def _assert_trained_alike(one, two):
+    """The two-process run ends where the one-process run does, and checkpoints move both ways.
+
+    Returns (experiment, the two-process TrainState).
+    """
     exp, state_one, step = train.restore(one)
     assert step == 3
     want = _flat(state_one.params)
@@ -324,6 +339,32 @@ def test_two_processes_train_like_one_and_checkpoints_move_between_them(two_runs
         restored = dict(np.load(two / f"restored{p}.npz"))
         for name in want:
             np.testing.assert_array_equal(restored[name], want[name], err_msg=f"{p}: {name}")
+    return exp, state_two
+
+
+def _assert_top_by_score(exp, params, questions, retrieved, what):
+    """Each row of `retrieved` (passage rows) holds the best-scoring passages under `params`.
+
+    The processes encode their corpus replicas on their own devices, so their vectors differ from
+    one process's in the last bits and near-tied passages may trade places: compare scores, not
+    the order of ties.
+    """
+    tokens = batches.question_tokens(
+        exp.question_tokenizer, questions, exp.config.data.question_length
+    )
+    q = rag.question_embeddings(
+        exp.rag_cfg, params, tokens["question_input_ids"], tokens["question_attention_mask"]
+    )  # -> [E, D]
+    scores = np.asarray(q) @ exp.retriever.vectors.T  # -> [E, C]
+    for e, rows in enumerate(retrieved):
+        got = scores[e, rows]
+        top = np.sort(scores[e])[::-1][: len(got)]
+        np.testing.assert_allclose(got, top, atol=1e-4, rtol=0, err_msg=f"{what} {e}")
+
+
+@pytest.mark.slow
+def test_two_processes_train_like_one_and_checkpoints_move_between_them(two_runs):
+    _assert_trained_alike(*two_runs)
 
 
 @pytest.mark.slow
@@ -339,34 +380,47 @@ def test_two_process_logs_and_evaluation_come_from_process_zero(two_runs):
     want = [json.loads(line) for line in (one / "predictions.jsonl").read_text().splitlines()]
     # Each of the 11 examples exactly once and in order, the padded last batch's included.
     assert [p["id"] for p in predictions] == [p["id"] for p in want] and len(want) == 11
-    # The passages each host retrieved are the top 5 by score. Each host encodes its own replica
-    # of the index over its own devices, so its vectors differ from one process's in the last
-    # bits and near-tied passages may trade places: compare scores, not the order of ties.
+    # The passages each host retrieved (from its own replica of the index) are the top 5.
     config_two = checkpoints.load_config(two / "ckpt")
     exp, _, _ = train.restore(one)
     _, state_two, _ = train.restore(two / "work0", config=config_two, exp=exp)
     examples = exp.eval[: config_two.eval.max_examples or None]
-    tokens = batches.question_tokens(
-        exp.question_tokenizer, [e.question for e in examples], config_two.data.question_length
-    )
-    q = rag.question_embeddings(
-        exp.rag_cfg,
-        state_two.params,
-        tokens["question_input_ids"],
-        tokens["question_attention_mask"],
-    )  # -> [E, D]
-    scores = np.asarray(q) @ exp.retriever.vectors.T  # -> [E, C]
     row = {pid: i for i, pid in enumerate(exp.store.ids)}
-    for e, prediction in enumerate(predictions):
-        got = scores[e, [row[pid] for pid in prediction["retrieved"]]]
-        top = np.sort(scores[e])[::-1][: len(got)]
-        np.testing.assert_allclose(got, top, atol=1e-4, rtol=0, err_msg=prediction["id"])
+    retrieved = [[row[pid] for pid in p["retrieved"]] for p in predictions]
+    questions = [e.question for e in examples]
+    _assert_top_by_score(exp, state_two.params, questions, retrieved, "eval example")
     logged = [
         json.loads(line) for line in (two / "work0" / "metrics.jsonl").read_text().splitlines()
     ]
     assert any("train/loss" in r for r in logged) and any("eval/exact_match" in r for r in logged)
     for name in ("metrics.jsonl", "tensorboard", "predictions.jsonl", "eval_before.json"):
         assert not (two / "work1" / name).exists(), name  # process 1 writes no logs
+
+
+@pytest.mark.slow
+def test_two_processes_search_a_pod_sharded_index_inside_the_step(two_runs_pod_index):
+    """The corpus split over the 8 devices of both processes, searched inside the train step by
+    both together: the same training as one process, and the right passages found."""
+    one, two = two_runs_pod_index
+    summaries = [json.loads((two / f"summary{p}.json").read_text()) for p in range(2)]
+    assert all(s["search_in_step"] for s in summaries), summaries
+    assert summaries[0] == summaries[1]
+    exp, state_two = _assert_trained_alike(one, two)
+    assert isinstance(exp.retriever.index, DeviceIndex)
+    # The ids the last step searched for batch 3 are its questions' top 5 under the new params.
+    c = exp.config
+    rows = data.batch_indices(len(exp.train), c.train.batch_size, c.seed, 3)
+    questions = [exp.train[i].question for i in rows]
+    next_ids = np.asarray(state_two.next_doc_ids)
+    _assert_top_by_score(exp, state_two.params, questions, next_ids, "batch 3 row")
+    # Evaluation searched the pod-sharded index with the global batch: the top 5 as well.
+    lines = (two / "work0" / "predictions.jsonl").read_text().splitlines()
+    row = {pid: i for i, pid in enumerate(exp.store.ids)}
+    retrieved = [[row[pid] for pid in json.loads(line)["retrieved"]] for line in lines]
+    examples = exp.eval[: c.eval.max_examples or None]
+    assert len(retrieved) == len(examples) == 11
+    questions = [e.question for e in examples]
+    _assert_top_by_score(exp, state_two.params, questions, retrieved, "eval example")
 
 
 JOBS = {"collectives": _collectives_job, "checkpoint": _checkpoint_job, "train": _train_job}

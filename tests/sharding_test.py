@@ -308,3 +308,7 @@ def test_single_process_host_helpers(mesh):
     assert isinstance(gathered["x"], np.ndarray) and gathered["s"] == 2.0
     assert sharding.sum_over_processes({"a": (1.5, 2)}) == {"a": (1.5, 2)}
     assert sharding.from_process0(True) is True
+    # A replicated result (e.g. in-step search ids): one process owns every row.
+    np.testing.assert_array_equal(sharding.own_rows(sharding.replicate(mesh, x), mesh), x)
+    with pytest.raises(ValueError, match="needs a replicated array"):
+        sharding.own_rows(batch, mesh)
