@@ -17,29 +17,56 @@ from rag_jax.index import Index, check_query_shape, check_vectors
 from rag_jax.index_files import load_vectors, provenance, save_vectors
 
 
-def _device_search(vectors, queries, *, count, k, mesh, axis, recall_target, precision):
+def _device_search(vectors, queries, *, count, k, mesh, axis, recall_target, precision, block_rows):
     """Top-k over `vectors` [C', D] sharded on `axis` (C' = C padded), `queries` [B, D] replicated.
+
+    Each shard is scored `block_rows` rows at a time with a running top-k, so the temporaries are
+    [B, block_rows] scores and one float32 block rather than [B, C' / n] scores. (XLA's CPU
+    backend, which has no bfloat16 matmul, still converts a bfloat16 shard to float32 whole.)
 
     Returns (scores [B, k] float32, ids [B, k] int32), replicated.
     """
     shard_rows = vectors.shape[0] // mesh.shape[axis]
     local_k = min(k, shard_rows)
+    block = min(max(block_rows, k), shard_rows)  # every block but the last yields local_k rows
+    full, rest = divmod(shard_rows, block)
 
     def per_shard(shard, queries):  # shard: [C' / n, D], queries: [B, D]
-        scores = jnp.einsum(
-            "bd,cd->bc", queries.astype(jnp.float32), shard.astype(jnp.float32), precision=precision
-        )  # -> [B, C' / n]
+        queries = queries.astype(jnp.float32)
         start = jax.lax.axis_index(axis) * shard_rows
-        ids = start + jnp.arange(shard_rows, dtype=jnp.int32)
-        scores = jnp.where(ids < count, scores, -jnp.inf)  # padding rows never win
-        if recall_target is None:
-            scores, pos = jax.lax.top_k(scores, local_k)  # -> [B, local_k]
-        else:
-            scores, pos = jax.lax.approx_max_k(scores, local_k, recall_target=recall_target)
-        # Shards are gathered in id order and top_k keeps the lower position among ties, so ties
-        # resolve to the lower id, as in ExactIndex.
+
+        def block_top(first, rows):  # rows [R, D] of the shard, from its row `first`
+            scores = jnp.einsum(
+                "bd,cd->bc", queries, rows.astype(jnp.float32), precision=precision
+            )  # -> [B, R]
+            ids = start + first + jnp.arange(rows.shape[0], dtype=jnp.int32)
+            scores = jnp.where(ids < count, scores, -jnp.inf)  # padding rows never win
+            top = min(local_k, rows.shape[0])
+            if recall_target is None:
+                scores, pos = jax.lax.top_k(scores, top)  # -> [B, top]
+            else:
+                scores, pos = jax.lax.approx_max_k(scores, top, recall_target=recall_target)
+            return scores, ids[pos]
+
+        def merge(best, new):
+            # The running best (lower ids) comes first and top_k keeps the lower position among
+            # ties, so ties resolve to the lower id, as in ExactIndex.
+            scores = jnp.concatenate([best[0], new[0]], axis=1)
+            ids = jnp.concatenate([best[1], new[1]], axis=1)
+            scores, pos = jax.lax.top_k(scores, local_k)
+            return scores, jnp.take_along_axis(ids, pos, axis=1)
+
+        def body(i, best):
+            first = i * block
+            return merge(best, block_top(first, jax.lax.dynamic_slice_in_dim(shard, first, block)))
+
+        best = block_top(0, shard[:block])
+        best = jax.lax.fori_loop(1, full, body, best) if full > 1 else best
+        if rest:
+            best = merge(best, block_top(full * block, shard[full * block :]))
+        # Shards are gathered in id order and top_k keeps the lower position among ties.
         gather = lambda x: jax.lax.all_gather(x, axis, axis=1, tiled=True, to="invarying")
-        scores, ids = gather(scores), gather(start + pos)  # -> [B, n * local_k]
+        scores, ids = gather(best[0]), gather(best[1])  # -> [B, n * local_k]
         scores, pos = jax.lax.top_k(scores, k)  # -> [B, k]
         return scores, jnp.take_along_axis(ids, pos, axis=1)
 
@@ -47,7 +74,7 @@ def _device_search(vectors, queries, *, count, k, mesh, axis, recall_target, pre
     return jax.shard_map(per_shard, mesh=mesh, **specs)(vectors, queries)
 
 
-_STATIC = ("count", "k", "mesh", "axis", "recall_target", "precision")
+_STATIC = ("count", "k", "mesh", "axis", "recall_target", "precision", "block_rows")
 _device_search_jit = jax.jit(_device_search, static_argnames=_STATIC)
 
 
@@ -57,10 +84,11 @@ class DeviceIndex(Index):
 
     Each device holds C'/n rows (C' = C rounded up to a multiple of the n devices on `axis`; the
     padding rows are masked to -inf by id, so they never win). Queries are replicated: every device
-    scores the whole batch against its shard, keeps its k best (`lax.approx_max_k`, the TPU-KNN
-    partial reduction, on TPU; `lax.top_k` elsewhere), and the n * k candidates are all-gathered
-    and merged with `lax.top_k`. A batch sharded over the same axis in the caller is gathered by
-    `shard_map` on entry; that is B x D, small next to a shard.
+    scores the whole batch against its shard, `block_rows` rows at a time, keeps its k best
+    (`lax.approx_max_k`, the TPU-KNN partial reduction, on TPU; `lax.top_k` elsewhere; merged
+    block by block), and the n * k candidates are all-gathered and merged with `lax.top_k`. A
+    batch sharded over the same axis in the caller is gathered by `shard_map` on entry; that is
+    B x D, small next to a shard.
 
     `search` takes numpy (host protocol: int64 ids, argument checks, numpy out) or jax arrays,
     tracers included (returns jax arrays, int32 ids), so it works inside `jax.jit`. The index is a
@@ -83,7 +111,7 @@ class DeviceIndex(Index):
     """
 
     kind = "exact"  # on disk it is an exact index: the same vectors file and manifest
-    _AUX = ("count", "dim", "mesh", "axis", "recall_target", "precision")
+    _AUX = ("count", "dim", "mesh", "axis", "recall_target", "precision", "block_rows")
     _AUX += ("encoder_fingerprint", "corpus_checksum")
 
     def __init__(
@@ -94,6 +122,7 @@ class DeviceIndex(Index):
         *,
         recall_target: float | None = None,
         precision=None,
+        block_rows: int = 65536,
         encoder_fingerprint: str | None = None,
         corpus_checksum: str | None = None,
     ):
@@ -108,6 +137,8 @@ class DeviceIndex(Index):
           exact `lax.top_k` elsewhere, where approx_max_k is also exact but leaves the order of
           equal scores unspecified.
         precision: `jax.lax.Precision` of the score matmul.
+        block_rows: rows of a shard scored at once (at least k): bounds the search's temporary
+          memory per device to about `B * block_rows` scores plus `block_rows * D` float32.
         encoder_fingerprint: provenance string written to the manifest.
         corpus_checksum: provenance string written to the manifest.
         """
@@ -133,6 +164,9 @@ class DeviceIndex(Index):
             recall_target = 0.95
         self.recall_target = None if recall_target is None else float(recall_target)
         self.precision = precision
+        if int(block_rows) < 1:
+            raise ValueError(f"block_rows must be >= 1, got {block_rows}")
+        self.block_rows = int(block_rows)
         self.encoder_fingerprint = encoder_fingerprint
         self.corpus_checksum = corpus_checksum
 

@@ -232,13 +232,16 @@ def minilm_squad(shared_data):
 
 
 @pytest.mark.parametrize("k", [1, 5, 13, 20, C])
-@pytest.mark.parametrize("devices", [1, 8])
-def test_device_equals_exact(devices, k):
+@pytest.mark.parametrize("devices,block_rows", [(1, 65536), (8, 65536), (1, 4), (8, 4), (1, 10)])
+def test_device_equals_exact(devices, block_rows, k):
     # 103 rows on 8 devices: 13 per shard, the last one 12 real + 1 padding; k=20 exceeds a shard.
+    # Blocks of 4 (or k) rows: a running top-k over several blocks and a shorter last block.
     vectors = _integers((C, D), 10)
-    vectors[[12, 13, 90]] = vectors[0]  # ties across shard boundaries
-    queries = np.concatenate([_integers((B - 1, D), 11), vectors[:1]])
-    scores, ids = DeviceIndex(vectors, _mesh(devices)).search(queries, k)
+    vectors[[12, 13, 90]] = vectors[0]  # ties across shard and block boundaries
+    vectors[[2, 3, 101]] = vectors[1]
+    queries = np.concatenate([_integers((B - 2, D), 11), vectors[:2]])
+    ix = DeviceIndex(vectors, _mesh(devices), block_rows=block_rows)
+    scores, ids = ix.search(queries, k)
     want_scores, want_ids = index.ExactIndex(vectors, chunk_size=16).search(queries, k)
     assert scores.dtype == np.float32 and ids.dtype == np.int64
     np.testing.assert_array_equal(ids, want_ids)
@@ -249,7 +252,7 @@ def test_device_equals_exact(devices, k):
 def test_device_approx_max_k_path_equals_exact_on_cpu(devices):
     # approx_max_k (the TPU path) is exact on CPU; Gaussian vectors have no ties to order.
     vectors, queries = _gaussian((C, D), 30), _gaussian((B, D), 31)
-    ix = DeviceIndex(vectors, _mesh(devices), recall_target=0.95)
+    ix = DeviceIndex(vectors, _mesh(devices), recall_target=0.95, block_rows=5)
     for k in (1, 6, 20):
         scores, ids = ix.search(queries, k)
         want_scores, want_ids = _brute_force(vectors, queries, k)
@@ -280,6 +283,21 @@ def test_device_search_inside_jit_reuses_the_compilation_for_a_new_index():
         np.testing.assert_array_equal(np.asarray(ids), want_ids)
         np.testing.assert_allclose(np.asarray(got), want, rtol=0, atol=1e-5)
     assert len(traces) == 1
+
+
+def test_device_search_memory_is_bounded_by_the_block():
+    # XLA's own accounting of the compiled search: [B, C] scores whole, [B, block] in blocks.
+    vectors, queries = _gaussian((20000, 32), 19), jnp.zeros((64, 32))
+
+    def temporaries(block_rows):
+        ix = DeviceIndex(vectors, _mesh(1), block_rows=block_rows)
+        compiled = jax.jit(lambda ix, q: ix.search(q, 10)).lower(ix, queries).compile()
+        return compiled.memory_analysis().temp_size_in_bytes
+
+    assert temporaries(65536) >= 64 * 20000 * 4  # the whole [B, C] score matrix
+    assert temporaries(1024) < 2 * (64 * 1024 * 4 + 1024 * 32 * 4)
+    with pytest.raises(ValueError, match="block_rows must be >= 1"):
+        DeviceIndex(vectors, _mesh(1), block_rows=0)
 
 
 def test_device_search_checks_shapes_while_tracing():
