@@ -539,13 +539,47 @@ def generate(
             doc_scores,
         )
     else:
-        scores = -_thorough_nll(
-            cfg, params, encoded, context_attention_mask, doc_scores, candidates
+        scores = -_rescore(
+            cfg, params, encoded, context_attention_mask, doc_scores, candidates, chunk=beams
         )
     top, _ = rag_math.select_top_candidates(
         candidates, scores, num_return, deduplicate=cfg.do_deduplication
     )
     return top[:, 0] if num_return == 1 else top
+
+
+def _rescore(cfg, params, encoded, flat_mask, doc_scores, candidates, *, chunk: int):
+    """[B, M] thorough NLL of each question's candidates, repeats left at +inf when deduplicating.
+
+    HF rescores only the distinct candidates of a question. Here the distinct ones are moved to
+    the front (in order of first occurrence) and rescored `chunk` candidates at a time in a loop
+    that stops after the busiest question's last distinct candidate, so repeated hypotheses (the
+    beams of different docs often agree) cost no decoder pass, and the [rows, L, V] logits exist
+    for one chunk at a time.
+    """
+    batch, num_candidates, length = candidates.shape
+    chunk = max(1, min(chunk, num_candidates))
+    if cfg.do_deduplication:
+        first = rag_math.first_occurrence_mask(candidates)  # -> [B, M]
+        order = jnp.argsort(~first, axis=1, stable=True)  # distinct first, in their order
+        needed = jnp.max(jnp.sum(first, axis=1))  # distinct candidates of the busiest question
+    else:
+        order = jnp.broadcast_to(jnp.arange(num_candidates), (batch, num_candidates))
+        needed = num_candidates
+    ranked = jnp.take_along_axis(candidates, order[:, :, None], axis=1)
+    chunks = -(-num_candidates // chunk)
+    pad = chunks * chunk - num_candidates  # the last chunk's padding rows repeat candidate 0
+    ranked = jnp.concatenate([ranked, jnp.repeat(ranked[:, :1], pad, axis=1)], axis=1)
+
+    def body(j, nll):  # nll: [B, chunks * chunk]
+        part = jax.lax.dynamic_slice_in_dim(ranked, j * chunk, chunk, axis=1)
+        value = _thorough_nll(cfg, params, encoded, flat_mask, doc_scores, part)
+        return jax.lax.dynamic_update_slice_in_dim(nll, value.astype(nll.dtype), j * chunk, axis=1)
+
+    nll = jnp.full((batch, chunks * chunk), jnp.inf, jnp.float32)
+    nll = jax.lax.fori_loop(0, (needed + chunk - 1) // chunk, body, nll)[:, :num_candidates]
+    nll = jnp.take_along_axis(nll, jnp.argsort(order, axis=1), axis=1)  # original order
+    return jnp.where(first, nll, jnp.inf) if cfg.do_deduplication else nll
 
 
 def _thorough_nll(cfg, params, encoded, flat_mask, doc_scores, candidates):

@@ -241,6 +241,36 @@ def test_rag_sequence_thorough_generation_matches_hf(tmp_path, masked):
     _assert_same_tokens(ours, ref, pad=1)
 
 
+@pytest.mark.parametrize("deduplicate", [True, False])
+def test_thorough_rescoring_scores_each_distinct_candidate_once(models, deduplicate):
+    """`_rescore` (distinct candidates first, a chunked loop that stops after the last distinct
+    one) against `_thorough_nll` over every candidate in one pass."""
+    variant, _, cfg, params = models
+    if variant != "sequence":
+        pytest.skip(reason="thorough rescoring is a RAG-Sequence mode")
+    cfg = cfg.replace(do_deduplication=deduplicate)
+    x = inputs(cfg, seed=8)
+    encoded = rag._encode(cfg, params, x["context_input_ids"], x["context_attention_mask"])
+    rng = np.random.default_rng(9)
+    distinct = rng.integers(3, cfg.generator.vocab_size, size=(B, 4, T))
+    # Question 0 has 2 distinct candidates among its 7 and question 1 has 4; repeats interleaved.
+    picks = np.array([[0, 1, 0, 0, 1, 1, 0], [0, 1, 0, 2, 3, 1, 3]])
+    candidates = jnp.asarray(np.take_along_axis(distinct, picks[:, :, None], axis=1))
+    mask = jnp.asarray(x["context_attention_mask"])
+    doc_scores = jnp.asarray(x["doc_scores"])
+    want = np.asarray(rag._thorough_nll(cfg, params, encoded, mask, doc_scores, candidates))
+    for chunk in (1, 2, 3, 7):
+        got = np.asarray(
+            rag._rescore(cfg, params, encoded, mask, doc_scores, candidates, chunk=chunk)
+        )
+        first = np.array(
+            [[picks[b, :m].tolist().count(picks[b, m]) == 0 for m in range(7)] for b in range(B)]
+        )
+        scored = first if deduplicate else np.ones_like(first)
+        np.testing.assert_allclose(got[scored], want[scored], rtol=1e-5, atol=1e-5)
+        assert np.all(np.isinf(got[~scored])) and np.all(got[~scored] > 0), chunk
+
+
 def _assert_same_tokens(ours, ref, pad):
     ours = np.asarray(ours)
     assert ours.shape[0] == ref.shape[0]
