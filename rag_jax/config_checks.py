@@ -40,7 +40,10 @@ CONFIG_KEYS = {
         "question_encoder_path", "passage_encoder_path", "generator_path", "rag_path",
         "shared_towers",
     },
-    "warm_start": {"method", "steps", "batch_size", "learning_rate", "keep_prob", "cache_dir"},
+    "warm_start": {
+        "method", "steps", "batch_size", "learning_rate", "keep_prob", "cache_dir",
+        "reader_steps", "reader_entities",
+    },
     "rag": {
         "variant", "n_docs", "max_combined_length", "label_smoothing", "exclude_bos_score",
         "closed_book",

@@ -41,7 +41,7 @@ from rag_jax import bart, bert, data, encode, hf, rag, sharding, synthetic, vect
 from rag_jax.corpus import Passage, corpus_checksum, read_passages
 from rag_jax.device_index import DeviceIndex
 from rag_jax.index import ExactIndex, ScannIndex
-from rag_jax.passage_store import PassageStore
+from rag_jax.passage_store import PassageStore, tokenizer_fingerprint
 from rag_jax.retriever import ClosedBook, Retriever
 
 
@@ -316,44 +316,122 @@ def _ict(config, rag_cfg, p_cfg, params, tokenizer, store) -> dict:
     return dict(params, question_encoder=q_params, passage_encoder=p_params)
 
 
-def _cached_ict(config, rag_cfg, p_cfg, params, tokenizer, store, workdir) -> dict:
-    """`_ict`, cached in `<warm_start.cache_dir or workdir>/warm_start/<fingerprint>.msgpack`.
+def _cached(label: str, key: dict, template: dict, compute, config, workdir) -> dict:
+    """`compute()` (parameter trees shaped like `template`), cached in
+    `<warm_start.cache_dir or workdir>/warm_start/<fingerprint of key>.msgpack`.
 
-    The warm start is a deterministic function of the seed, the corpus, the towers' initial
-    parameters and the warm-start settings; the fingerprint covers all of them, so a resume (or
-    another run sharing `cache_dir`) reuses it and any change recomputes it.
+    A warm start is a deterministic function of what `key` lists (seed, data, initial parameters,
+    settings), so a resume, or another run sharing `cache_dir`, reuses it and any change
+    recomputes it.
     """
-    towers = {k: params[k] for k in ("question_encoder", "passage_encoder")}
-    key = json.dumps(
-        {
-            "warm_start": {k: v for k, v in config.warm_start.items() if k != "cache_dir"},
-            "retrieval": {
-                k: config.retrieval.get(k) for k in ("passage_max_length", "passage_format")
-            },
-            "question_length": config.data.question_length,
-            "seed": config.seed,
-            "corpus": store.checksum,
-            "question_encoder": encode.encoder_fingerprint(p_cfg, towers["question_encoder"]),
-            "passage_encoder": encode.encoder_fingerprint(p_cfg, towers["passage_encoder"]),
-        },
-        sort_keys=True,
-    )
-    fingerprint = hashlib.sha256(key.encode()).hexdigest()[:16]
+    fingerprint = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     directory = pathlib.Path(config.warm_start.get("cache_dir", "") or workdir) / "warm_start"
     path = directory / f"{fingerprint}.msgpack"
     if path.is_file():
         try:
-            cached = flax.serialization.from_bytes(jax.device_get(towers), path.read_bytes())
+            cached = flax.serialization.from_bytes(jax.device_get(template), path.read_bytes())
         except Exception as e:  # msgpack/structure errors name neither the file nor the cause
             raise ValueError(f"{path}: corrupt warm-start cache ({e}); delete it") from e
-        print(f"ICT warm start: reusing {path}", flush=True)
-        return dict(params, **cached)
-    params = _ict(config, rag_cfg, p_cfg, params, tokenizer, store)
+        print(f"{label}: reusing {path}", flush=True)
+        return cached
+    value = jax.device_get(compute())
     if jax.process_index() == 0:
         directory.mkdir(parents=True, exist_ok=True)
-        towers = {k: jax.device_get(params[k]) for k in towers}
-        vector_files.write_atomic(path, flax.serialization.to_bytes(towers))
-    return params
+        vector_files.write_atomic(path, flax.serialization.to_bytes(value))
+    return value
+
+
+def _cached_ict(config, rag_cfg, p_cfg, params, tokenizer, store, workdir) -> dict:
+    """`_ict`, cached (see `_cached`)."""
+    names = ("question_encoder", "passage_encoder")
+    towers = {k: params[k] for k in names}
+    key = {
+        "warm_start": {
+            k: v
+            for k, v in config.warm_start.items()
+            if k != "cache_dir" and not k.startswith("reader_")
+        },
+        "retrieval": {k: config.retrieval.get(k) for k in ("passage_max_length", "passage_format")},
+        "question_length": config.data.question_length,
+        "seed": config.seed,
+        "corpus": store.checksum,
+        "question_encoder": encode.encoder_fingerprint(p_cfg, towers["question_encoder"]),
+        "passage_encoder": encode.encoder_fingerprint(p_cfg, towers["passage_encoder"]),
+    }
+
+    def compute():
+        warm = _ict(config, rag_cfg, p_cfg, params, tokenizer, store)
+        return {k: warm[k] for k in names}
+
+    return dict(params, **_cached("ICT warm start", key, towers, compute, config, workdir))
+
+
+# The reader warm start's world: another seed, so other entities and independently drawn facts.
+READER_WORLD_SEED_OFFSET = 1_000_003
+
+
+def _cached_reader(config, rag_cfg, params, tokenizer, workdir, own_world) -> dict:
+    """The generator after `warm_start.reader_warm_start` on another synthetic world, cached.
+
+    Facts about an entity whose name also occurs in `own_world` (the experiment's) are left out,
+    so no name of the experiment's world is seen with an answer.
+    """
+    d, w = config.data, config.warm_start
+    if d.source != "synthetic":
+        raise ValueError(
+            "config.warm_start.reader_steps needs data.source='synthetic' (it reads another "
+            f"synthetic world); got {d.source!r}: set reader_steps=0"
+        )
+    world = synthetic.make_world(
+        synthetic.WorldConfig(
+            seed=config.seed + READER_WORLD_SEED_OFFSET,
+            num_entities=w.reader_entities,
+            distractors_per_fact=d.distractors_per_fact,
+            eval_fraction=d.eval_fraction,
+        )
+    )
+    own = {f.entity for f in own_world.facts}
+    examples = [
+        e
+        for e in examples_from_world(world, "train") + examples_from_world(world, "eval")
+        if e.id.split(":")[0].replace("_", " ") not in own
+    ]
+    key = {
+        "reader": {k: v for k, v in w.items() if k.startswith("reader_")},
+        "world": dataclasses.asdict(world.config),
+        "train": {k: config.train[k] for k in ("batch_size", "learning_rate")},
+        "answer_length": d.answer_length,
+        "examples": hashlib.sha256(" ".join(e.id for e in examples).encode()).hexdigest(),
+        "rag": [rag_cfg.max_combined_length, rag_cfg.label_smoothing, rag_cfg.exclude_bos_score],
+        "tokenizer": tokenizer_fingerprint(tokenizer),
+        "generator": encode.encoder_fingerprint(rag_cfg.generator, params["generator"]),
+    }
+
+    def compute():
+        passages = [Passage(p.id, p.title, p.text) for p in world.passages]
+        store = build_store(passages, tokenizer, pathlib.Path(workdir) / "reader_world", rag_cfg)
+        generator, log = warm_start.reader_warm_start(
+            rag_cfg,
+            params["generator"],
+            tokenizer,
+            store,
+            examples,
+            steps=w.reader_steps,
+            batch_size=config.train.batch_size,
+            learning_rate=config.train.learning_rate,
+            seed=config.seed,
+            answer_length=d.answer_length,
+        )
+        print(
+            f"reader warm start: {w.reader_steps} steps on {len(examples)} questions of another "
+            f"world, loss {log[0]['loss']:.3f} -> {log[-1]['loss']:.3f}",
+            flush=True,
+        )
+        return {"generator": generator}
+
+    template = {"generator": params["generator"]}
+    cached = _cached("reader warm start", key, template, compute, config, workdir)
+    return dict(params, **cached)
 
 
 def make_index(vectors: np.ndarray, kind: str, mesh: jax.sharding.Mesh | None = None):
@@ -420,6 +498,8 @@ def build(config: ml_collections.ConfigDict, workdir) -> Experiment:
         raise ValueError(
             f"config.warm_start.method must be none or ict: {config.warm_start.method!r}"
         )
+    if config.warm_start.get("reader_steps", 0):
+        params = _cached_reader(config, rag_cfg, params, g_tok, workdir, world)
     if rag_cfg.n_docs > len(store):
         raise ValueError(
             f"config.rag.n_docs={rag_cfg.n_docs} exceeds the corpus size {len(store)}; use at "

@@ -58,7 +58,7 @@ _SENTENCE_END = re.compile(r"(?<=[.?!])\s+")
 WARMUP_FRACTION = 0.1  # of the steps, linear warmup from 0 to `learning_rate`
 WEIGHT_DECAY = 0.01  # AdamW decoupled decay on matrices (ndim >= 2)
 GRAD_CLIP = 1.0  # global gradient norm
-_DATA, _DROPOUT = 0, 1  # named streams of the seed
+_DATA, _DROPOUT, _READER = 0, 1, 2  # named streams of the seed
 
 
 def split_sentences(text: str) -> list[str]:
@@ -408,3 +408,106 @@ def ict_warm_start(
             log.append({"step": step + 1, "loss": loss, "in_batch_accuracy": accuracy})
             window = []
     return state.params["question"], state.params["passage"], log
+
+
+# ---------------------------------------------------------------------------------------------
+# The generator: reading, learned on another world
+
+
+def reader_warm_start(
+    rag_cfg,
+    generator_params,
+    tokenizer,
+    store,
+    examples,
+    *,
+    steps: int,
+    batch_size: int,
+    learning_rate: float,
+    seed: int,
+    answer_length: int,
+) -> tuple[dict, list[dict]]:
+    """Trains the generator to read: each question with the one passage that answers it.
+
+    The paper's generator is a pretrained BART, which reads before RAG training starts; a small
+    generator trained from scratch must learn to read inside the marginal over N retrieved
+    passages, which on the synthetic world takes longer than it takes to memorise the training
+    facts, and until it reads the retriever's gradient carries no signal. This warm start gives it
+    the skill on a *different* corpus (`examples` and `store` of another world: other entities,
+    facts drawn independently; see `experiment.build`), the way BART learns language on other
+    text. Only the generator trains; no question, passage or id of the experiment's own world is
+    used.
+
+    Args:
+      rag_cfg: the RAG config (its generator; the context length `max_combined_length`).
+      generator_params: initial generator parameters (copied, never modified).
+      tokenizer: the generator's tokenizer.
+      store: a `PassageStore` of the other world's passages.
+      examples: `data.Example`s of the other world; `gold_ids[0]` names each one's passage.
+      steps: training steps, >= 1.
+      batch_size: questions per step.
+      learning_rate: peak AdamW learning rate (warmup and decay as the ICT warm start's).
+      seed: batches are a function of `(seed, step)`.
+      answer_length: label tokens per answer (`config.data.answer_length`).
+
+    Returns:
+      (generator parameters, log: {"step", "loss"} every tenth of the steps).
+    """
+    from rag_jax import batches, rag  # batches -> experiment -> warm_start: import on use
+
+    if steps < 1 or not 1 <= batch_size <= len(examples):
+        raise ValueError(
+            f"reader warm start needs steps >= 1 and 1 <= batch_size <= examples; got {steps}, "
+            f"{batch_size} and {len(examples)} examples"
+        )
+    row = {pid: i for i, pid in enumerate(store.ids)}
+    missing = [e.id for e in examples if not e.gold_ids or e.gold_ids[0] not in row]
+    if missing:
+        raise ValueError(f"{len(missing)} examples name no passage of the store, e.g. {missing[0]}")
+    one_doc = rag_cfg.replace(n_docs=1)
+    optimizer = _optimizer(float(learning_rate), steps)
+
+    def loss_fn(generator, batch):
+        doc_scores = jnp.zeros((batch["labels"].shape[0], 1), jnp.float32)  # p(z|x) = 1
+        per_example = rag.nll(
+            one_doc,
+            {"generator": generator},
+            batch["context_input_ids"],
+            batch["context_attention_mask"],
+            doc_scores,
+            batch["labels"],
+            "sequence",
+            reduce=False,
+        )
+        return jnp.mean(per_example)
+
+    @functools.partial(jax.jit, donate_argnums=(0, 1))
+    def step_fn(generator, opt_state, batch):
+        loss, grads = jax.value_and_grad(loss_fn)(generator, batch)
+        updates, opt_state = optimizer.update(grads, opt_state, generator)
+        return optax.apply_updates(generator, updates), opt_state, loss
+
+    generator = jax.tree.map(jnp.array, generator_params)
+    opt_state = optimizer.init(generator)
+    log, window, every = [], [], max(1, steps // 10)
+    for step in range(steps):
+        rng = np.random.default_rng((seed, _READER, step))
+        chosen = [examples[i] for i in rng.choice(len(examples), batch_size, replace=False)]
+        questions = [e.question for e in chosen]
+        ids = np.array([[row[e.gold_ids[0]]] for e in chosen])  # -> [B, 1]
+        context, mask = store.context_tokens(
+            ids, store.tokenize_questions(tokenizer, questions), one_doc.max_combined_length
+        )
+        labels = batches.answer_labels(
+            tokenizer, [e.answers[0] for e in chosen], one_doc, answer_length
+        )
+        batch = {"context_input_ids": context, "context_attention_mask": mask, "labels": labels}
+        generator, opt_state, loss = step_fn(generator, opt_state, jax.device_put(batch))
+        window.append(loss)
+        if (step + 1) % every == 0 or step + 1 == steps:
+            value = float(np.mean(jax.device_get(window)))
+            if not np.isfinite(value):
+                raise FloatingPointError(f"non-finite reader warm-start loss at step {step + 1}")
+            log.append({"step": step + 1, "loss": value})
+            window = []
+    return generator, log

@@ -22,7 +22,16 @@ LEAF_DICTS = ("model.question_encoder", "model.generator", "data.fields")
 # (required, optional) keys per data source and per model init, as rag_jax/experiment.py reads
 # them. Every other key of default.py is common to all configs.
 SOURCE_KEYS = {
-    "synthetic": ({"data.num_entities", "data.distractors_per_fact", "data.eval_fraction"}, set()),
+    "synthetic": (
+        {
+            "data.num_entities",
+            "data.distractors_per_fact",
+            "data.eval_fraction",
+            "warm_start.reader_steps",
+            "warm_start.reader_entities",
+        },
+        set(),
+    ),
     "files": (
         {"data.train_path", "data.eval_path", "data.corpus_path"},
         {"data.eval_fraction", "data.fields", "data.max_train", "data.max_eval"},

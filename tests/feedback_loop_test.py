@@ -10,6 +10,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "experiments"))
 import feedback_loop  # noqa: E402
 
+from rag_jax import feedback, train  # noqa: E402
+
 
 def _tiny(quick=False):
     config = feedback_loop.feedback_config.default.get_config()
@@ -20,6 +22,8 @@ def _tiny(quick=False):
     config.train.retriever_delay_steps = 0
     config.train.log_every = 2
     config.warm_start.steps = 3
+    config.warm_start.reader_steps = 2
+    config.warm_start.reader_entities = 4
     config.warm_start.batch_size = 8
     config.eval.every = 2
     config.eval.batch_size = 8
@@ -54,3 +58,34 @@ def test_rows_curves_and_hot_swap(tmp_path, monkeypatch):
 def test_unknown_row_is_refused(tmp_path):
     with pytest.raises(SystemExit):
         feedback_loop.main(["--out", str(tmp_path), "--quick", "--rows", "joint_sequnce"])
+
+
+def test_joint_training_beats_the_frozen_retriever(tmp_path):
+    """Rows 2 and 3 scaled down (60 entities, 80 steps): the question encoder trained through the
+    answer likelihood alone, no gold ids, lifts held-out gold recall@5 over the frozen retriever.
+
+    The full experiment measures +22 points at 300 steps; here +10 is required. Kept in the default
+    run (~75 s on 2 cores, over the usual 20 s for a regular test) because the feedback loop is
+    the property the project exists for.
+    """
+    base = feedback_loop.feedback_config.default.get_config()
+    settings = {
+        "data.num_entities": 60,
+        "warm_start.steps": 150,
+        "warm_start.reader_steps": 150,
+        "warm_start.reader_entities": 60,
+        "train.steps": 80,
+        "train.warmup_steps": 10,
+        "train.save_every": 1000,
+        "eval.every": 0,
+    }
+    recall, em = {}, {}
+    for name, overrides in feedback.rows(quick=True, refresh_every=0).items():
+        if name == "closed_book":
+            continue
+        config = feedback.row_config(base, {**settings, **overrides}, str(tmp_path / "cache"))
+        summary = train.train_and_evaluate(config, tmp_path / name)
+        recall[name], em[name] = summary["recall_at_5_after"], summary["em_after"]
+        assert summary["recall_at_5_before"] == recall.get("frozen_sequence", recall[name])
+    assert recall["joint_sequence"] >= recall["frozen_sequence"] + 0.10, recall
+    assert em["joint_sequence"] > em["frozen_sequence"], em

@@ -257,6 +257,8 @@ def _tiny_config(**overrides):
     settings = {
         "data.num_entities": 12,
         "warm_start.steps": 2,
+        "warm_start.reader_steps": 2,
+        "warm_start.reader_entities": 4,
         "warm_start.batch_size": 16,
         "train.steps": 3,
         "train.batch_size": 16,  # 2 rows per device

@@ -62,6 +62,8 @@ TINY = {
     "retrieval.passage_max_length": 32,
     "warm_start.steps": 2,
     "warm_start.batch_size": 8,
+    "warm_start.reader_steps": 2,
+    "warm_start.reader_entities": 4,
     "model.question_encoder.hidden_size": 16,
     "model.question_encoder.num_hidden_layers": 1,
     "model.question_encoder.num_attention_heads": 2,

@@ -5,12 +5,12 @@ r"""The default job: joint RAG training on the built-in synthetic world, on a CP
 Builds a world of invented entities (facts that cannot be guessed), encodes its passages with the
 passage encoder, indexes them, trains the question encoder and a tiny BART jointly through the
 RAG-Sequence likelihood (passage encoder frozen), and evaluates on entities never seen in training.
-Prints recall@5 and exact match on held-out questions before and after, and ends with one JSON line.
-Runtime: about 2.5 minutes on 2 CPU cores. Measured (seed 0, as the joint_sequence row of
-`experiments/feedback_loop.py`): held-out gold recall@5 0.48 after the inverse-cloze warm start and
-0.48 after joint training, recall@1 0.08 -> 0.15, EM 0.00 -> 0.05. The generator reads its contexts
-from step ~150, the question encoder learns from step 100; why recall@5 does not move yet is in the
-README's "The feedback loop".
+Two warm starts come first, neither using this world's questions or answer-passage ids: the
+inverse cloze task for both retriever towers (this world's passages only), and reading for the
+generator (questions with their answer passages from *another* synthetic world). Prints recall@5
+and exact match on held-out questions before and after, and ends with one JSON line. Runtime:
+about 1.5 minutes on 2 CPU cores. Measured: held-out gold recall@5 0.48 -> 0.70 and EM 0.30 ->
+0.40 at seed 0; seeds 1 and 2 gain 7 and 9 points of recall@5 (README, "The feedback loop").
 """
 
 import ml_collections
@@ -73,7 +73,13 @@ def get_config():
     config.warm_start.batch_size = 64
     config.warm_start.learning_rate = 3e-3
     config.warm_start.keep_prob = 0.1  # how often the query sentence stays in its passage
-    config.warm_start.cache_dir = ""  # where the warm start is cached ("" = the workdir)
+    config.warm_start.cache_dir = ""  # where the warm starts are cached ("" = the workdir)
+    # The generator learns to read on *another* synthetic world first (its questions with their
+    # answer passages; other entities and facts, none of this world's ids): a from-scratch
+    # generator otherwise memorises the training facts before it learns to read among N
+    # passages, and until it reads the retriever gets no signal (README, "The feedback loop").
+    config.warm_start.reader_steps = 300  # 0 = none
+    config.warm_start.reader_entities = 100  # size of the other world
 
     config.rag = ml_collections.ConfigDict()
     config.rag.variant = "sequence"  # sequence | token
@@ -97,7 +103,7 @@ def get_config():
     config.retrieval.refresh_lag = 0
 
     config.train = ml_collections.ConfigDict()
-    config.train.steps = 500
+    config.train.steps = 300
     config.train.batch_size = 16  # global batch; must divide by the device count
     config.train.num_devices = 0  # data-parallel devices; 0 = all
     config.train.optimizer = "adamw"  # adamw | sgd (momentum adam_b1)
@@ -107,9 +113,9 @@ def get_config():
     config.train.decay_power = 1.0  # for polynomial decay
     config.train.end_lr_factor = 0.0  # final learning rate = learning_rate * this
     config.train.retriever_lr_factor = 0.3  # retriever towers' learning rate / learning_rate
-    # The retriever towers wait until the generator reads its contexts (~step 100 here); before
-    # that their gradient is noise that undoes the warm start.
-    config.train.retriever_delay_steps = 100
+    # Steps before the retriever towers train: until the generator reads its contexts their
+    # gradient is noise that undoes the warm start. The reader warm start makes it read at step 0.
+    config.train.retriever_delay_steps = 0
     config.train.weight_decay = 0.01
     config.train.no_decay = r"(bias|scale|ln|final_logits_bias)"  # paths without weight decay
     config.train.adam_b1 = 0.9

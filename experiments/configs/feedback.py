@@ -22,7 +22,7 @@ HOT_SWAP_FRACTION = 0.25  # of the held-out facts whose answers are edited
 
 def get_config(quick: bool = False):
     config = default.get_config()
-    config.eval.every = 100
+    config.eval.every = 50
     if quick:
         config.data.num_entities = 40
         config.train.steps = 200
