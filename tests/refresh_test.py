@@ -140,10 +140,11 @@ def test_warm_start_is_cached_and_reused(tmp_path, capsys):
     flat_a, flat_b = _flat(first), _flat(second)
     for key in flat_a:
         np.testing.assert_array_equal(flat_a[key], flat_b[key], err_msg=key)
-    # Another warm-start setting is another cache entry.
+    # Another ICT setting is another ICT entry; the reader warm start's entry is shared by all.
     config.warm_start.steps = 4
     experiment.build(config, tmp_path / "c")
-    assert len(list((tmp_path / "a" / "warm_start").glob("*.msgpack"))) == 2
+    assert "reader warm start: reusing" in capsys.readouterr().out
+    assert len(list((tmp_path / "a" / "warm_start").glob("*.msgpack"))) == 2 + 1
 
 
 def test_edit_facts_within_a_split():
