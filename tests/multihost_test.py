@@ -284,6 +284,9 @@ def _train_job(out: pathlib.Path, one_process_dir: str, overrides: dict) -> None
     p = jax.process_index()
     config = _tiny_config(**overrides)
     config.train.checkpoint_dir = str(out / "ckpt")  # shared by both; the workdirs are not
+    # The one-process run's warm starts: the same starting point, so that what is compared is the
+    # training. (Warm starts computed on 4 devices per process and on 8 differ in the last bits.)
+    config.warm_start.cache_dir = one_process_dir
     summary = train.train_and_evaluate(config, out / f"work{p}")
     (out / f"summary{p}.json").write_text(json.dumps(summary))
     # The one-process run's checkpoint, restored over both processes.
