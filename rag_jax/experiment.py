@@ -283,7 +283,7 @@ def encode_store(store, passage_cfg, passage_params, tokenizer, config) -> np.nd
         input_format=config.retrieval.passage_format,
         batch_size=config.retrieval.encode_batch_size,
         dtype="float32",
-        mesh=jax.sharding.Mesh(np.array(jax.local_devices()), ("data",)),
+        mesh=sharding.data_mesh(jax.local_devices()),
     )
 
 
@@ -448,7 +448,7 @@ def make_index(vectors: np.ndarray, kind: str, mesh: jax.sharding.Mesh | None = 
         return ScannIndex.build(vectors)
     if kind == "device":
         if mesh is None:
-            mesh = jax.sharding.Mesh(np.array(jax.local_devices()), ("data",))
+            mesh = sharding.data_mesh(jax.local_devices())
         return DeviceIndex(vectors, mesh)
     raise ValueError(f"config.retrieval.index must be exact, scann or device, got {kind!r}")
 

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rag_jax import bert, encode, synthetic, warm_start
+from rag_jax import bert, data, encode, synthetic, warm_start
 from rag_jax.index import ExactIndex
 
 Q, P = 20, 36  # query and passage lengths; the 30-entity world's passages are <= 34 tokens
@@ -392,7 +392,7 @@ def test_reader_warm_start_learns_to_read_deterministically(reader_exp):
 
     with pytest.raises(ValueError, match="batch_size <= examples"):
         train_generator(steps=1, batch_size=len(exp.train) + 1)
-    stray = exp.train[0].__class__("q ?", ("a",), "x", ("no_such_passage",))
+    stray = data.Example("q ?", ("a",), "x", ("no_such_passage",))
     with pytest.raises(ValueError, match="name no passage of the store, e.g. x"):
         warm_start.reader_warm_start(
             exp.rag_cfg,
