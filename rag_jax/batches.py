@@ -32,6 +32,29 @@ def question_tokens(tokenizer, questions, max_length: int) -> dict[str, np.ndarr
     }
 
 
+def context_width(attention_mask: np.ndarray, max_length: int, multiple: int) -> int:
+    """How many context columns a batch needs: its longest context rounded up to `multiple`.
+
+    HF pads every context to `max_combined_length`; the columns past a batch's longest context
+    are padding in every row, and dropping them leaves the step's loss and gradients unchanged
+    (padded keys get zero attention weight, padded queries are read by nothing). Rounding up to
+    `multiple` bounds how many step widths get compiled.
+
+    Args:
+      attention_mask: [rows, S] 0/1, each row's real tokens a prefix (`context_tokens`).
+      max_length: S; the width when `multiple` is 0 and the cap otherwise.
+      multiple: width granularity; 0 = always `max_length`.
+
+    Returns:
+      The width, in [min(multiple, S), S].
+    """
+    if not multiple:
+        return max_length
+    used = np.flatnonzero(np.asarray(attention_mask).any(axis=0))
+    longest = int(used[-1]) + 1 if used.size else 0
+    return min(max_length, max(multiple, -(-longest // multiple) * multiple))
+
+
 def answer_labels(tokenizer, answers, rag_cfg: rag.RagConfig, max_length: int) -> np.ndarray:
     """[B, T] labels laid out as generated sequences: decoder start, BOS, answer, EOS, pads.
 
@@ -157,11 +180,19 @@ class Batcher:
         else:
             hits = self.exp.retriever.gather(doc_ids, pieces)
         shape = hits.doc_ids.shape + (-1,)  # -> [B, N, S]
+        # Every process pads to the global batch's longest context: one width, one program.
+        width = sharding.max_over_processes(
+            context_width(
+                hits.context_attention_mask,
+                self.exp.rag_cfg.max_combined_length,
+                c.rag.get("context_pad_multiple", 0),
+            )
+        )
         batch = dict(
             fields,
             doc_vectors=hits.doc_vectors,
-            context_input_ids=hits.context_input_ids.reshape(shape),
-            context_attention_mask=hits.context_attention_mask.reshape(shape),
+            context_input_ids=hits.context_input_ids[:, :width].reshape(shape),
+            context_attention_mask=hits.context_attention_mask[:, :width].reshape(shape),
             labels=labels,
         )
         if c.retrieval.get("refresh_every", 0):  # a trainable passage encoder re-encodes them

@@ -45,8 +45,8 @@ CONFIG_KEYS = {
         "reader_steps", "reader_entities",
     },
     "rag": {
-        "variant", "n_docs", "max_combined_length", "label_smoothing", "exclude_bos_score",
-        "closed_book",
+        "variant", "n_docs", "max_combined_length", "context_pad_multiple", "label_smoothing",
+        "exclude_bos_score", "closed_book",
     },
     "retrieval": {
         "index", "passage_max_length", "passage_format", "encode_batch_size", "index_dir",
@@ -134,6 +134,11 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> None:
     if config.rag.variant not in ("sequence", "token"):
         raise ValueError(
             f"config.rag.variant must be sequence or token, got {config.rag.variant!r}"
+        )
+    if config.rag.get("context_pad_multiple", 0) < 0:
+        raise ValueError(
+            "config.rag.context_pad_multiple must be >= 0 (0 = always max_combined_length), "
+            f"got {config.rag.context_pad_multiple}"
         )
     if config.data.source not in ("synthetic", "files", "tfds"):
         raise ValueError(

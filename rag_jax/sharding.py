@@ -357,6 +357,16 @@ def sum_over_processes(metrics: dict[str, tuple[float, int]]) -> dict[str, tuple
     return {n: (float(total[i, 0]), int(round(float(total[i, 1])))) for i, n in enumerate(names)}
 
 
+def max_over_processes(value: int) -> int:
+    """The largest of an integer every process computes for its rows (e.g. a batch's width).
+
+    A collective on several processes; `value` itself on one.
+    """
+    if jax.process_count() == 1:
+        return int(value)
+    return int(np.asarray(multihost_utils.process_allgather(np.int32(value))).max())
+
+
 def replicate(mesh: Mesh, tree: Any) -> Any:
     """Places a pytree (numpy or jax arrays, identical on every process) on every device."""
     return jax.device_put(tree, replicated(mesh))

@@ -236,6 +236,17 @@ def step_index(config: ml_collections.ConfigDict, exp: experiment.Experiment, me
 # The loop
 
 
+def _with_width(inputs: tuple, width: int) -> tuple:
+    """The train step's arguments as abstract values, with the contexts `width` columns wide."""
+
+    def widen(name, x):
+        shape = x.shape[:-1] + (width,) if name.startswith("context_") else x.shape
+        return jax.ShapeDtypeStruct(shape, x.dtype, sharding=x.sharding)
+
+    batch = {name: widen(name, x) for name, x in inputs[0].items()}
+    return (batch, *inputs[1:])
+
+
 def _check_memory(compiled, state: TrainState, exp: experiment.Experiment, mesh) -> None:
     """Prints what the compiled train step needs per device (XLA's own accounting) and raises
     before the first step runs when that exceeds the device's memory."""
@@ -423,7 +434,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir) -> dict:
     totals: dict = {}
     last_log = time.perf_counter()
     bar = tqdm.tqdm(total=tc.steps, initial=start, desc="train", disable=jax.process_index() != 0)
-    step, compiled = start, None
+    step, compiled = start, {}  # context width -> the train step compiled for it
     while step < tc.steps:
         if checkpoints.should_stop(step):
             ckpt.save(step, state, config, force=True)
@@ -439,11 +450,15 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir) -> dict:
             host_batch, recall = batcher.train_batch(None, step, doc_ids)
             next_questions = sharding.shard_batch(mesh, batcher.question_fields(step + 1))
             inputs = (sharding.shard_batch(mesh, host_batch), index, next_questions)
+        width = host_batch["context_input_ids"].shape[-1]  # batches.context_width
         with jax.transfer_guard("disallow"):
-            if compiled is None:  # compiled ahead of the first call, to check its memory first
-                compiled = step_fn.lower(state, *inputs).compile()
-                _check_memory(compiled, state, exp, mesh)
-            state, step_metrics = compiled(state, *inputs)
+            if not compiled:  # ahead of the first call: the widest step's memory is checked
+                widest = exp.rag_cfg.max_combined_length
+                compiled[widest] = step_fn.lower(state, *_with_width(inputs, widest)).compile()
+                _check_memory(compiled[widest], state, exp, mesh)
+            if width not in compiled:
+                compiled[width] = step_fn.lower(state, *inputs).compile()
+            state, step_metrics = compiled[width](state, *inputs)
         step += 1
         if step < tc.steps:  # the next batch's host work runs while the device runs this step
             batcher.prepare(step if index is None else step + 1)

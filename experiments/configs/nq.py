@@ -83,6 +83,8 @@ def get_config():
     config.rag.variant = "sequence"  # sequence | token
     config.rag.n_docs = 5  # N: k = 5 passages per question in training, as in the paper
     config.rag.max_combined_length = 300  # S: HF RagConfig's default context length
+    # Batches padded to their longest context in steps of 128 (TPU lane width), not to 300.
+    config.rag.context_pad_multiple = 128
     config.rag.label_smoothing = 0.1
     config.rag.exclude_bos_score = False
     config.rag.closed_book = False  # no retrieval: the question alone (needs n_docs=1)

@@ -100,6 +100,7 @@ def get_config():
     config.rag.variant = "sequence"  # sequence | token
     config.rag.n_docs = 5  # N: passages per question
     config.rag.max_combined_length = 160  # S: generator context tokens (paragraph + question)
+    config.rag.context_pad_multiple = 32  # a batch's contexts: its longest, in steps of 32
     config.rag.label_smoothing = 0.0
     config.rag.exclude_bos_score = False
     config.rag.closed_book = False  # no retrieval: the question alone (needs n_docs=1)
