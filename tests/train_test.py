@@ -35,6 +35,7 @@ def tiny_config(**overrides):
     config.rag.n_docs = 5
     config.rag.max_combined_length = 32
     config.retrieval.passage_max_length = 32
+    config.warm_start.steps = 200
     config.warm_start.reader_steps = 2
     config.warm_start.reader_entities = 4
     return config_checks.override(config, overrides)
