@@ -74,6 +74,33 @@ def compare(ours_fn, ref_fn, *, repeats: int, warmup: int) -> tuple[dict, object
     return timings, ours_out, ref_out
 
 
+def matmul_peak(size: int = 2048, repeats: int = 5) -> dict:
+    """This machine's float32 matmul throughput on the benchmark's threads: the fastest of
+    `repeats` [size, size] @ [size, size] products, by XLA (jitted) and by torch.
+
+    The ceiling for any model step on this machine: a step's model FLOPs divided by its time
+    cannot exceed the better of the two (a step's matmuls are smaller, so they run below it).
+
+    Returns:
+      {"size", "xla_gflop_s", "torch_gflop_s", "peak_gflop_s"}.
+    """
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import torch
+
+    flops = 2 * size**3
+    a = np.random.default_rng(0).standard_normal((size, size), dtype=np.float32)
+    x = jnp.asarray(a)
+    dot = jax.jit(jnp.dot)
+    t = torch.from_numpy(a)
+    xla = time_fn(lambda: dot(x, x).block_until_ready(), warmup=2, repeats=repeats)["min_s"]
+    ref = time_fn(lambda: torch.mm(t, t), warmup=2, repeats=repeats)["min_s"]
+    out = {"size": size, "xla_gflop_s": flops / xla / 1e9, "torch_gflop_s": flops / ref / 1e9}
+    out["peak_gflop_s"] = max(out["xla_gflop_s"], out["torch_gflop_s"])
+    return out
+
+
 def print_table(rows: list[dict], columns: list[str]) -> None:
     """Prints `rows` as a fixed-width table with the given column order."""
 

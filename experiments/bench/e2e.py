@@ -7,21 +7,27 @@ encoder, RAG-Sequence loss, backward, AdamW). Each phase is timed on its own, fo
 
 - rag_jax, as `rag_jax.train` runs it: jitted `rag.question_embeddings` + `device_get` (encode),
   `ExactIndex.search` (search), stored vectors + `PassageStore.tokenize_questions` /
-  `context_tokens` over the pre-tokenised passage store (gather), the trainer's jitted, donated
-  `train.make_train_step` with optax AdamW (step).
+  `context_tokens` over the pre-tokenised passage store, padded to the batch's longest context
+  rounded up to 16 (`batches.context_width`, the trainer's default) (gather), the trainer's
+  jitted, donated `train.make_train_step` with optax AdamW (step).
 - HF, as `RagModel.forward` runs it with a retriever attached: the question encoder's forward with
   autograd on (encode; its backward is in the step), transformers `RagRetriever` over a custom
   faiss `IndexFlatIP` (a subclass of `retrieval_rag.Index`; exact search, as ours) (search),
   `get_doc_dicts` + decoding the question ids + `postprocess_docs`, which joins title, text and
-  question strings and tokenises them (gather), `bmm` doc scores + `RagSequenceForGeneration`
-  forward with the contexts + backward + `torch.optim.AdamW` (step).
+  question strings and tokenises them, padded to `max_combined_length` (S = 128) (gather),
+  `bmm` doc scores + `RagSequenceForGeneration` forward with the contexts + backward +
+  `torch.optim.AdamW` (step).
 
 Same tiny models as the `train_step` suite (the HF model is saved and loaded with `hf.load_rag`),
 same passages (random words of a 995-word vocabulary, C >= 100k), same passage vectors, same
 questions and labels, float32, dropout off, the benchmark's threads for torch and faiss. The two
 pipelines alternate single steps, each on the next batch of questions, after a warm-up (jit
 compilation for rag_jax). The first batch checks that both retrieve the same passages, build the
-same context tokens and compute the same loss.
+same context tokens (HF's past rag_jax's width being padding only) and compute the same loss.
+Contexts here are ~75 tokens (60-word passages, 8-word questions), so HF's layout is ~40%
+padding, which its generator encodes and attends over; rag_jax's trainer drops the columns that
+are padding in every row of the batch (the loss and gradients are unchanged; see
+`tests/context_width_test.py`).
 
 Legend: B questions, N docs, S context length, T target length, Q question length, C passages,
 D vector width.
@@ -41,7 +47,9 @@ import torch
 import transformers
 from transformers.models.rag import retrieval_rag
 
+from bench import common
 from bench import train_step as ts
+from bench.accelerator import train_flops
 from rag_jax import batches, experiment, hf, rag, train
 from rag_jax.corpus import Passage
 from rag_jax.index import ExactIndex
@@ -49,11 +57,13 @@ from rag_jax.retriever import Retriever
 
 N_DOCS, CONTEXT, TARGET, QUESTION = ts.N_DOCS, ts.CONTEXT, ts.TARGET, ts.QUESTION
 PASSAGE_WORDS, QUESTION_WORDS = 60, 8
+CONTEXT_PAD_MULTIPLE = 16  # the trainer's default (config.rag.context_pad_multiple)
 # (C passages, B questions, timed steps per pipeline, warm-up steps)
 FULL = (100_000, 8, 20, 3)
 QUICK = (10_000, 4, 3, 2)
 # BART's special ids (bos 0, pad 1, eos 2) at the same rows of a WordPiece vocabulary.
 SPECIALS = ["[CLS]", "[PAD]", "[SEP]", "[UNK]", "[MASK]"]
+PAD_ID = SPECIALS.index("[PAD]")
 
 
 def words(count: int, seed: int = 0) -> list[str]:
@@ -145,6 +155,8 @@ class Ours:
         )  # [B, N, D]
         pieces = self.store.tokenize_questions(self.g_tok, batch["questions"])
         ctx, ctx_mask = self.store.context_tokens(ids, pieces, CONTEXT)  # -> [B * N, S]
+        width = batches.context_width(ctx_mask, CONTEXT, CONTEXT_PAD_MULTIPLE)
+        ctx, ctx_mask = ctx[:, :width], ctx_mask[:, :width]  # as the trainer's Batcher does
         t3 = _clock()
         device_batch = {
             "question_input_ids": batch["question_input_ids"],
@@ -235,11 +247,56 @@ def make_batches(vocab_words, q_tok, g_tok, cfg, count: int, batch: int, seed: i
 def _check_same_work(ours_out, ref_out, ours_loss, ref_loss) -> dict:
     """The first batch: same retrieved passages, same context tokens, same loss."""
     np.testing.assert_array_equal(ours_out["doc_ids"], ref_out["doc_ids"])
-    np.testing.assert_array_equal(ours_out["context_input_ids"], ref_out["context_input_ids"])
+    ours_ctx, ref_ctx = ours_out["context_input_ids"], ref_out["context_input_ids"]
+    width = ours_ctx.shape[-1]  # ours: the batch's longest context; HF: always S
+    np.testing.assert_array_equal(ours_ctx, ref_ctx[:, :width])
+    if (ref_ctx[:, width:] != PAD_ID).any():
+        raise AssertionError(f"the contexts were cut at {width} columns but are longer")
     rel = abs(ours_loss - ref_loss) / abs(ref_loss)
     if rel > 1e-4:
         raise AssertionError(f"first-step losses differ: ours {ours_loss}, HF {ref_loss}")
     return {"loss_ours": ours_loss, "loss_ref": ref_loss, "loss_rel_diff": rel}
+
+
+def _roofline(cfg, batch: int, ours_times, ref_times, widths, quick: bool) -> dict:
+    """Both joint steps' model FLOP rates against this machine's matmul peak, and the rate
+    rag_jax's step would need for the whole pipeline to be 2x HF's with every other phase free."""
+    peak = common.matmul_peak(512 if quick else 2048)
+
+    def flops(width):
+        return train_flops(
+            cfg.question_encoder,
+            cfg.generator,
+            batch,
+            n_docs=N_DOCS,
+            question=QUESTION,
+            context=width,
+            target=TARGET,
+        )["train"]
+
+    ours_flops, ref_flops = flops(max(widths)), flops(CONTEXT)
+    ours_step = min(t["step"] for t in ours_times)
+    ref_step = min(t["step"] for t in ref_times)
+    ref_total = min(sum(t.values()) for t in ref_times)
+    out = {
+        "matmul_peak": peak,
+        "ours_context_widths": sorted(set(widths)),
+        "ours_step_gflop": ours_flops / 1e9,
+        "ref_step_gflop": ref_flops / 1e9,
+        "ours_step_gflop_s": ours_flops / ours_step / 1e9,
+        "ref_step_gflop_s": ref_flops / ref_step / 1e9,
+        "goal_step_gflop_s": ours_flops / (ref_total / 2) / 1e9,
+    }
+    for key in ("ours_step", "ref_step", "goal_step"):
+        out[f"{key}_pct_of_peak"] = 100 * out[f"{key}_gflop_s"] / peak["peak_gflop_s"]
+    print(
+        f"  matmul peak {peak['peak_gflop_s']:.1f} GFLOP/s; steps at "
+        f"{out['ours_step_pct_of_peak']:.0f}% (ours, S={max(widths)}) and "
+        f"{out['ref_step_pct_of_peak']:.0f}% (HF, S={CONTEXT}); 2x needs ours at "
+        f"{out['goal_step_pct_of_peak']:.0f}% with every other phase free",
+        flush=True,
+    )
+    return out
 
 
 def run(quick: bool = False) -> dict:
@@ -274,7 +331,7 @@ def run(quick: bool = False) -> dict:
         ref = Reference(model, retriever, tok)
 
         batches = make_batches(vocab_words, tok, tok, cfg, warmup + repeats, batch_size)
-        ours_times, ref_times = [], []
+        ours_times, ref_times, widths = [], [], []
         check = None
         for i, batch in enumerate(batches):
             o_times, o_loss, o_out = ours.step(batch)
@@ -285,6 +342,7 @@ def run(quick: bool = False) -> dict:
             if i >= warmup:
                 ours_times.append(o_times)
                 ref_times.append(r_times)
+                widths.append(o_out["context_input_ids"].shape[-1])
             print(
                 f"  step {i}: ours {sum(o_times.values()):.3f}s, HF {sum(r_times.values()):.3f}s",
                 flush=True,
@@ -308,7 +366,9 @@ def run(quick: bool = False) -> dict:
                 "speedup_min": min(r) / min(o),
             }
         )
+    roofline = _roofline(cfg, batch_size, ours_times, ref_times, widths, quick)
     return {
+        "roofline": roofline,
         "columns": [
             "phase",
             "ours_ms",

@@ -19,6 +19,12 @@ workers wait at every op's barrier), far more than XLA's pool, so medians there 
 The first step of each side starts from the same weights: its loss is reported for both as a
 check that they compute the same thing.
 
+Roofline: the suite first measures this machine's float32 matmul peak on the same threads (a
+2048^2 product, the faster of XLA and torch), then reports each side's model FLOP rate (matmul
+FLOPs of forward and backward, `accelerator.train_flops`, over the fastest step) as a share of it,
+and `goal_pct_of_peak`: the share a step meeting the goal (GOALS x the reference's fastest) would
+have to sustain. Over 100% the goal is out of reach on this machine for any implementation.
+
 Legend: B questions, N docs, S context length, T target length, Q question length.
 """
 
@@ -33,6 +39,7 @@ import torch
 import transformers
 
 from bench import common
+from bench.accelerator import train_flops
 from rag_jax import hf, rag
 
 N_DOCS, CONTEXT, TARGET, QUESTION = 5, 128, 32, 16
@@ -82,6 +89,7 @@ CONFIGS = {
 # from the second step on).
 CASES = {"tiny": (8, 20, 5), "base": (2, 3, 3)}
 QUICK_CASES = {"tiny": (2, 3, 5)}
+GOALS = {"tiny": 2.0, "base": 1.2}  # the speedups over the reference this suite is held to
 
 
 def hf_rag_config(name: str, n_docs: int = N_DOCS) -> transformers.RagConfig:
@@ -200,7 +208,42 @@ def _params_count(params) -> int:
     return sum(int(np.prod(p.shape)) for p in jax.tree.leaves(params))
 
 
+def _roofline(cfg: rag.RagConfig, name: str, batch: int, result: dict, peak: float) -> dict:
+    """Model FLOP rates of both sides' fastest steps, and what the goal would need.
+
+    `goal_pct_of_peak` is the share of this machine's measured matmul peak that a step `goal`
+    times faster than the reference's fastest would have to sustain: over 100 the goal is out of
+    reach on this machine whatever the implementation.
+    """
+    flops = train_flops(
+        cfg.question_encoder,
+        cfg.generator,
+        batch,
+        n_docs=N_DOCS,
+        question=QUESTION,
+        context=CONTEXT,
+        target=TARGET,
+    )["train"]
+    ours = flops / min(result["ours_runs_s"]) / 1e9
+    ref = flops / min(result["ref_runs_s"]) / 1e9
+    return {
+        "model_gflop": flops / 1e9,
+        "ours_gflop_s": ours,
+        "ref_gflop_s": ref,
+        "ours_pct_of_peak": 100 * ours / peak,
+        "ref_pct_of_peak": 100 * ref / peak,
+        "goal": GOALS[name],
+        "goal_pct_of_peak": 100 * GOALS[name] * ref / peak,
+    }
+
+
 def run(quick: bool = False) -> dict:
+    peak = common.matmul_peak(512 if quick else 2048)
+    print(
+        f"  float32 matmul peak ({peak['size']}^2): XLA {peak['xla_gflop_s']:.1f}, "
+        f"torch {peak['torch_gflop_s']:.1f} GFLOP/s",
+        flush=True,
+    )
     rows = []
     for name, (batch_size, repeats, warmup) in (QUICK_CASES if quick else CASES).items():
         with tempfile.TemporaryDirectory() as tmp:
@@ -226,11 +269,13 @@ def run(quick: bool = False) -> dict:
                         **result,
                         "ours_ex_per_s": batch_size / result["ours_s"],
                         "ref_ex_per_s": batch_size / result["ref_s"],
+                        **_roofline(cfg, name, batch_size, result, peak["peak_gflop_s"]),
                     }
                 )
                 print(
                     f"  {rows[-1]['case']}: ours {result['ours_s']:.4g}s, "
-                    f"ref {result['ref_s']:.4g}s, x{result['speedup']:.3g}",
+                    f"ref {result['ref_s']:.4g}s, x{result['speedup']:.3g}; the goal needs "
+                    f"{rows[-1]['goal_pct_of_peak']:.0f}% of the matmul peak",
                     flush=True,
                 )
                 del model
@@ -247,6 +292,9 @@ def run(quick: bool = False) -> dict:
             "speedup_min",
             "ours_ex_per_s",
             "ref_ex_per_s",
+            "ours_pct_of_peak",
+            "ref_pct_of_peak",
+            "goal_pct_of_peak",
             "compile_s",
             "loss_ours",
             "loss_ref",
@@ -257,6 +305,7 @@ def run(quick: bool = False) -> dict:
         "torch.optim.AdamW",
         "ours": f"jax {jax.__version__} jit (params and opt_state donated), optax.adamw",
         "threads": torch.get_num_threads(),
+        "matmul_peak": peak,
         "backend": jax.default_backend(),
         "setup": {
             "n_docs": N_DOCS,
