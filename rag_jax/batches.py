@@ -113,6 +113,18 @@ class Batcher:
             return self.exp.retriever.gather(own(doc_ids), pieces, own(scores))
         return self.exp.retriever(sharding.local_rows(q), pieces)  # [local B, D] queries
 
+    def contexts(self, hits: retriever.Retrieved) -> tuple[np.ndarray, np.ndarray]:
+        """The generator inputs [local B * N, W] of `hits`, W = `context_width` of the global
+        batch (a collective on several processes: every process pads to the longest of all)."""
+        width = sharding.max_over_processes(
+            context_width(
+                hits.context_attention_mask,
+                self.exp.rag_cfg.max_combined_length,
+                self.exp.config.rag.get("context_pad_multiple", 0),
+            )
+        )
+        return hits.context_input_ids[:, :width], hits.context_attention_mask[:, :width]
+
     def passage_tokens(self, doc_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Passage-encoder inputs [B * N, P] of the retrieved passages, as the index reads them."""
         c, store = self.exp.config, self.exp.store
@@ -180,19 +192,12 @@ class Batcher:
         else:
             hits = self.exp.retriever.gather(doc_ids, pieces)
         shape = hits.doc_ids.shape + (-1,)  # -> [B, N, S]
-        # Every process pads to the global batch's longest context: one width, one program.
-        width = sharding.max_over_processes(
-            context_width(
-                hits.context_attention_mask,
-                self.exp.rag_cfg.max_combined_length,
-                c.rag.get("context_pad_multiple", 0),
-            )
-        )
+        context_ids, context_mask = self.contexts(hits)
         batch = dict(
             fields,
             doc_vectors=hits.doc_vectors,
-            context_input_ids=hits.context_input_ids[:, :width].reshape(shape),
-            context_attention_mask=hits.context_attention_mask[:, :width].reshape(shape),
+            context_input_ids=context_ids.reshape(shape),
+            context_attention_mask=context_mask.reshape(shape),
             labels=labels,
         )
         if c.retrieval.get("refresh_every", 0):  # a trainable passage encoder re-encodes them

@@ -36,14 +36,15 @@ def evaluate(exp: experiment.Experiment, params, examples, *, mesh, variant: str
         batch_examples = [examples[i] for i in idx]
         fields, pieces = batcher.questions(batch_examples[mine])
         hits = batcher.retrieve(params, fields, pieces)
+        ctx, ctx_mask = batcher.contexts(hits)  # -> [local B * N, W], padded as for training
         q_ids, q_mask, vecs, ctx, ctx_mask, doc_ids = sharding.shard_batch(
             mesh,
             (
                 fields["question_input_ids"],
                 fields["question_attention_mask"],
                 hits.doc_vectors,
-                hits.context_input_ids.reshape(local, -1, hits.context_input_ids.shape[-1]),
-                hits.context_attention_mask.reshape(local, -1, hits.context_input_ids.shape[-1]),
+                ctx.reshape(local, -1, ctx.shape[-1]),
+                ctx_mask.reshape(local, -1, ctx.shape[-1]),
                 hits.doc_ids.astype(np.int32),
             ),
         )

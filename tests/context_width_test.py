@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rag_jax import batches, config_checks, experiment, rag, sharding, train
+from rag_jax import batches, config_checks, evaluation, experiment, rag, sharding, train
 
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
 from train_test import _flat, tiny_config  # noqa: E402
@@ -82,6 +82,19 @@ def test_trimmed_contexts_train_exactly_like_full_width_ones(wide):
     for name, value in _flat(g_full).items():
         scale = np.abs(value).max() + 1e-12
         np.testing.assert_allclose(_flat(g_trim)[name], value, atol=1e-5 * scale, err_msg=name)
+
+
+def test_evaluation_with_trimmed_contexts_generates_the_full_width_answers(wide):
+    """Evaluation pads its contexts as training does; the decoded answers and retrieved ids are
+    those of HF's full-width layout."""
+    mesh = sharding.data_mesh(jax.devices()[:1])
+    out = {}
+    for multiple in (0, 16):
+        wide.config.rag.context_pad_multiple = multiple
+        out[multiple] = evaluation.evaluate(
+            wide, wide.params, wide.eval[:8], mesh=mesh, variant="sequence"
+        )
+    assert out[16] == out[0]
 
 
 @pytest.mark.slow  # two training runs: ~40 s on 2 cores

@@ -79,3 +79,22 @@ def test_joint_training_beats_the_frozen_retriever(tmp_path):
         assert summary["recall_at_5_before"] == recall.get("frozen_sequence", recall[name])
     assert recall["joint_sequence"] >= recall["frozen_sequence"] + 0.10, recall
     assert em["joint_sequence"] > em["frozen_sequence"], em
+
+
+@pytest.mark.slow  # the full experiment: ~10 min on 2 cores
+def test_the_full_experiment_meets_the_feedback_loop_thresholds(tmp_path):
+    """`experiments/feedback_loop.py` as the README runs it: on held-out entities, joint beats
+    frozen by >= 20 points of gold recall@5 for both variants with higher EM, closed-book EM is
+    near zero, and hot-swap EM on edited facts is >= 80% of that on unedited ones."""
+    results = feedback_loop.main(["--out", str(tmp_path), "--no-plot"])
+    rows = results["rows"]
+    final = {name: row["final"] for name, row in rows.items()}
+    assert final["closed_book"]["exact_match"] < 0.1, final["closed_book"]
+    for variant in ("sequence", "token"):
+        joint, frozen = final[f"joint_{variant}"], final[f"frozen_{variant}"]
+        assert joint["gold_recall@5"] >= frozen["gold_recall@5"] + 0.20, (joint, frozen)
+        assert joint["exact_match"] >= frozen["exact_match"] + 0.10, (joint, frozen)
+    for name in ("joint_sequence", "joint_token", "joint_refresh"):
+        swap = rows[name]["hot_swap"]
+        assert swap["em_edited"] >= 0.8 * swap["em_unedited"], (name, swap)
+    assert results["seconds"] < 20 * 60
