@@ -148,7 +148,7 @@ def get_config():
     config.eval.every = 0  # also every k steps (eval/* in metrics.jsonl); 0 = before/after
     config.eval.enabled = True  # evaluate held-out questions before and after training
     config.eval.batch_size = 32
-    config.eval.max_examples = 128  # the first N held-out questions; 0 = all (~1,700)
+    config.eval.max_examples = 128  # the first N held-out questions; 0 = all (1,918)
     config.eval.num_beams = 1  # greedy, as the paper for QA
     config.eval.max_length = 16
     config.eval.sequence_decoding = "thorough"  # thorough | fast (RAG-Sequence, beams > 1)
