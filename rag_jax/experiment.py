@@ -391,10 +391,11 @@ def _cached_reader(config, rag_cfg, params, tokenizer, workdir, own_world) -> di
         )
     )
     own = {f.entity for f in own_world.facts}
+    kept = {f.gold_id for f in world.facts if f.entity not in own}  # answer passages kept
     examples = [
         e
         for e in examples_from_world(world, "train") + examples_from_world(world, "eval")
-        if e.id.split(":")[0].replace("_", " ") not in own
+        if e.gold_ids[0] in kept
     ]
     key = {
         "reader": {k: v for k, v in w.items() if k.startswith("reader_")},

@@ -530,6 +530,7 @@ def generate(
     )  # -> [B * N, K, L]
     length = hyps.shape[-1]
     candidates = hyps.reshape(batch, n_docs * hyps.shape[1], length)  # -> [B, M, L]
+    deduplicate = cfg.do_deduplication
     if sequence_decoding == "fast":
         if hyp_scores is None:
             raise ValueError("fast decoding needs num_beams > 1")
@@ -542,9 +543,8 @@ def generate(
         scores = -_rescore(
             cfg, params, encoded, context_attention_mask, doc_scores, candidates, chunk=beams
         )
-    top, _ = rag_math.select_top_candidates(
-        candidates, scores, num_return, deduplicate=cfg.do_deduplication
-    )
+        deduplicate = False  # `_rescore` already scored the repeats -inf
+    top, _ = rag_math.select_top_candidates(candidates, scores, num_return, deduplicate=deduplicate)
     return top[:, 0] if num_return == 1 else top
 
 

@@ -1,5 +1,6 @@
 """Training contexts padded to the batch's longest (`config.rag.context_pad_multiple`), not to S."""
 
+import os
 import sys
 
 import jax
@@ -9,7 +10,7 @@ import pytest
 
 from rag_jax import batches, config_checks, evaluation, experiment, rag, sharding, train
 
-sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
+sys.path.insert(0, os.path.dirname(__file__))
 from train_test import _flat, tiny_config  # noqa: E402
 
 

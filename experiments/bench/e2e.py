@@ -49,7 +49,6 @@ from transformers.models.rag import retrieval_rag
 
 from bench import common
 from bench import train_step as ts
-from bench.accelerator import train_flops
 from rag_jax import batches, experiment, hf, rag, train
 from rag_jax.corpus import Passage
 from rag_jax.index import ExactIndex
@@ -262,19 +261,8 @@ def _roofline(cfg, batch: int, ours_times, ref_times, widths, quick: bool) -> di
     """Both joint steps' model FLOP rates against this machine's matmul peak, and the rate
     rag_jax's step would need for the whole pipeline to be 2x HF's with every other phase free."""
     peak = common.matmul_peak(512 if quick else 2048)
-
-    def flops(width):
-        return train_flops(
-            cfg.question_encoder,
-            cfg.generator,
-            batch,
-            n_docs=N_DOCS,
-            question=QUESTION,
-            context=width,
-            target=TARGET,
-        )["train"]
-
-    ours_flops, ref_flops = flops(max(widths)), flops(CONTEXT)
+    ours_flops = ts.step_flops(cfg, batch, max(widths))
+    ref_flops = ts.step_flops(cfg, batch, CONTEXT)
     ours_step = min(t["step"] for t in ours_times)
     ref_step = min(t["step"] for t in ref_times)
     ref_total = min(sum(t.values()) for t in ref_times)

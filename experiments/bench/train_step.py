@@ -208,6 +208,19 @@ def _params_count(params) -> int:
     return sum(int(np.prod(p.shape)) for p in jax.tree.leaves(params))
 
 
+def step_flops(cfg: rag.RagConfig, batch: int, context: int = CONTEXT) -> float:
+    """Model FLOPs of one train step at this suite's shapes (`accelerator.train_flops`)."""
+    return train_flops(
+        cfg.question_encoder,
+        cfg.generator,
+        batch,
+        n_docs=N_DOCS,
+        question=QUESTION,
+        context=context,
+        target=TARGET,
+    )["train"]
+
+
 def _roofline(cfg: rag.RagConfig, name: str, batch: int, result: dict, peak: float) -> dict:
     """Model FLOP rates of both sides' fastest steps, and what the goal would need.
 
@@ -215,15 +228,7 @@ def _roofline(cfg: rag.RagConfig, name: str, batch: int, result: dict, peak: flo
     times faster than the reference's fastest would have to sustain: over 100 the goal is out of
     reach on this machine whatever the implementation.
     """
-    flops = train_flops(
-        cfg.question_encoder,
-        cfg.generator,
-        batch,
-        n_docs=N_DOCS,
-        question=QUESTION,
-        context=CONTEXT,
-        target=TARGET,
-    )["train"]
+    flops = step_flops(cfg, batch)
     ours = flops / min(result["ours_runs_s"]) / 1e9
     ref = flops / min(result["ref_runs_s"]) / 1e9
     return {
