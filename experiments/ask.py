@@ -9,7 +9,7 @@ import jax
 import numpy as np
 from absl import app, flags, logging
 
-from rag_jax import batches, data, evaluation, rag, sharding, train
+from rag_jax import batches, data, evaluation, host, rag, sharding, train
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "a training workdir (checkpoints + config)")
 _QUESTIONS = flags.DEFINE_multi_string("question", None, "a question (repeatable)")
@@ -45,4 +45,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    host.restart_with_huge_pages()  # glibc reads it only at start: before any work
     app.run(main)

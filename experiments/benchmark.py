@@ -6,12 +6,18 @@ r"""rag_jax vs its reference, side by side in one process, on the same threads.
 Each suite lives in `experiments/bench/<suite>.py` and exposes `run(quick: bool) -> dict` returning
 {"columns": [...], "rows": [...], ...}; rows carry absolute times and the ratio to the reference.
 Results are printed as tables and written to `<out>/<suite>.json`.
+
+The script first restarts itself with glibc's large allocations on transparent huge pages
+(`rag_jax.host`; both sides share the process and so the setting). `RAG_JAX_HUGE_PAGES=0` measures
+the process as started instead.
 """
 
 import argparse
 import importlib
 import os
 import sys
+
+from rag_jax import host
 
 SUITES = ("models", "index", "encode", "train_step", "generate", "e2e")
 
@@ -36,6 +42,12 @@ def main(argv=None):
     from bench import common
 
     os.makedirs(args.out, exist_ok=True)
+    # Both sides share the process, so both run on the same allocator settings (`rag_jax.host`).
+    host_settings = {
+        "glibc_tunables": os.environ.get("GLIBC_TUNABLES", ""),
+        "transparent_huge_pages": host.thp_mode(),
+    }
+    print(f"host: {host_settings}")
     for name in args.suites.split(","):
         if name not in SUITES:
             parser.error(f"unknown suite {name!r}; choose from {SUITES}")
@@ -45,6 +57,7 @@ def main(argv=None):
             parser.error(f"suite {name!r} is not available yet ({e})")
         print(f"\n== {name} ==")
         result = suite.run(quick=args.quick)
+        result["host"] = host_settings
         common.print_table(result["rows"], result["columns"])
         path = os.path.join(args.out, f"{name}.json")
         common.write_json(path, result)
@@ -52,4 +65,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
+    host.restart_with_huge_pages()  # glibc reads it only at start: before any work
     main()

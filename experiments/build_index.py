@@ -23,7 +23,7 @@ for about 96% of them.
 
 import argparse
 
-from rag_jax import encode, index_build
+from rag_jax import encode, host, index_build
 
 
 def main(argv=None):
@@ -63,4 +63,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
+    host.restart_with_huge_pages()  # glibc reads it only at start: before any work
     main()

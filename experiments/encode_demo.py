@@ -11,7 +11,7 @@ Runtime: ~10 s on 2 CPU cores.
 import jax
 import numpy as np
 
-from rag_jax import bert, hf
+from rag_jax import bert, hf, host
 
 QUESTIONS = ["Where was Marie Curie born?", "Who wrote Pride and Prejudice?"]
 PASSAGES = [
@@ -47,4 +47,5 @@ def main():
 
 
 if __name__ == "__main__":
+    host.restart_with_huge_pages()  # glibc reads it only at start: before any work
     main()

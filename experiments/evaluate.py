@@ -14,7 +14,7 @@ import pathlib
 
 from absl import app, flags, logging
 
-from rag_jax import evaluation, train
+from rag_jax import evaluation, host, train
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "a training workdir (checkpoints + config)")
 _VARIANT = flags.DEFINE_enum("variant", None, ["sequence", "token"], "default: the config's")
@@ -46,4 +46,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    host.restart_with_huge_pages()  # glibc reads it only at start: before any work
     app.run(main)

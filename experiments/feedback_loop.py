@@ -18,7 +18,7 @@ import sys
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent / "configs"))
 import feedback as feedback_config  # noqa: E402
 
-from rag_jax import feedback  # noqa: E402
+from rag_jax import feedback, host  # noqa: E402
 
 
 def main(argv=None):
@@ -54,4 +54,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
+    host.restart_with_huge_pages()  # glibc reads it only at start: before any work
     main()

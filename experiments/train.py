@@ -13,7 +13,7 @@ import json
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from rag_jax import train
+from rag_jax import host, train
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "experiment config file", lock_config=True
@@ -30,4 +30,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    host.restart_with_huge_pages()  # glibc reads it only at start: before any work
     app.run(main)

@@ -1,0 +1,108 @@
+"""rag_jax.host: the restart onto transparent huge pages, in real child processes."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from rag_jax import host
+
+# A child that restarts, then reports its pid, its tunables and how much of a freshly malloc'd
+# and touched 64 MiB block the kernel backs with huge pages (glibc serves a block that large
+# with its own mapping; numpy is avoided: it advises huge pages for its arrays by itself).
+CHILD = textwrap.dedent(
+    """
+    import ctypes, json, os, sys
+    from rag_jax import host
+    print(json.dumps({"stage": "before", "pid": os.getpid()}), flush=True)
+    host.restart_with_huge_pages()
+    libc = ctypes.CDLL("libc.so.6")
+    libc.malloc.restype = ctypes.c_void_p
+    size = 64 << 20
+    block = libc.malloc(size)
+    ctypes.memset(block, 1, size)
+    start, end = block, block + size
+    huge_kb = 0
+    with open("/proc/self/smaps") as f:
+        inside = False
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                low, high = (int(x, 16) for x in head.split("-"))
+                inside = low < end and start < high
+            elif inside and head == "AnonHugePages:":
+                huge_kb += int(line.split()[1])
+    print(json.dumps({"stage": "after", "pid": os.getpid(), "argv": sys.argv[1:],
+                      "tunables": os.environ.get("GLIBC_TUNABLES", ""), "huge_kb": huge_kb}))
+    """
+)
+
+needs_thp = pytest.mark.skipif(
+    not (host.glibc_version() or (0, 0)) >= (2, 35) or host.thp_mode() != "madvise",
+    reason="needs glibc >= 2.35 and the kernel's transparent huge pages in madvise mode "
+    f"(glibc {host.glibc_version()}, THP mode {host.thp_mode()})",
+)
+
+
+def _run_child(env_updates: dict[str, str | None]) -> list[dict]:
+    env = dict(os.environ)
+    env.pop("GLIBC_TUNABLES", None)
+    env.pop(host.OPT_OUT, None)
+    for key, value in env_updates.items():
+        if value is None:
+            env.pop(key, None)
+        else:
+            env[key] = value
+    proc = subprocess.run(
+        [sys.executable, "-c", CHILD, "--flag", "value"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    return [json.loads(line) for line in proc.stdout.splitlines()]
+
+
+@needs_thp
+def test_restart_puts_large_allocations_on_huge_pages_and_keeps_pid_and_arguments():
+    lines = _run_child({})
+    # The child printed "before" twice: once as started, once after re-executing itself.
+    assert [line["stage"] for line in lines] == ["before", "before", "after"]
+    assert len({line["pid"] for line in lines}) == 1
+    after = lines[-1]
+    assert after["tunables"] == host.TUNABLE
+    assert after["argv"] == ["--flag", "value"]
+    assert after["huge_kb"] >= 32 << 10  # at least half the block on 2 MiB pages
+
+
+@needs_thp
+def test_without_the_restart_the_same_block_stays_on_small_pages():
+    lines = _run_child({host.OPT_OUT: "0"})
+    assert [line["stage"] for line in lines] == ["before", "after"]
+    assert lines[-1]["tunables"] == ""
+    assert lines[-1]["huge_kb"] == 0
+
+
+@needs_thp
+def test_existing_tunables_are_kept():
+    lines = _run_child({"GLIBC_TUNABLES": "glibc.malloc.arena_max=4"})
+    assert lines[-1]["tunables"] == f"glibc.malloc.arena_max=4:{host.TUNABLE}"
+
+
+def test_no_restart_when_set_or_refused():
+    assert not host.restart_needed({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"})
+    assert not host.restart_needed({"GLIBC_TUNABLES": f"x=1:{host.TUNABLE}"})
+    assert not host.restart_needed({host.OPT_OUT: "0"})
+
+
+def test_thp_mode_reads_the_bracketed_entry(tmp_path):
+    path = tmp_path / "enabled"
+    path.write_text("always [madvise] never\n")
+    assert host.thp_mode(str(path)) == "madvise"
+    path.write_text("[never]\n")
+    assert host.thp_mode(str(path)) == "never"
+    assert host.thp_mode(str(tmp_path / "missing")) is None
