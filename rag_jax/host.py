@@ -16,6 +16,7 @@ in device memory and this changes only host-side allocations.
 
 import os
 import sys
+import warnings
 
 TUNABLE = "glibc.malloc.hugetlb=1"
 # Set to "0" to keep the process as started (e.g. to measure without huge pages).
@@ -74,10 +75,18 @@ def restart_with_huge_pages() -> None:
     Call it before the process starts threads or does work worth keeping: nothing of the current
     process survives but its pid, environment and open descriptors.
     """
-    if not restart_needed():
+    if not restart_needed() or not sys.executable:
         return
     env = dict(os.environ)
     env["GLIBC_TUNABLES"] = ":".join(filter(None, (env.get("GLIBC_TUNABLES"), TUNABLE)))
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
+    try:
+        os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
+    except OSError as e:  # the process carries on as started, only slower on CPU
+        warnings.warn(
+            f"could not restart {sys.executable} with GLIBC_TUNABLES={env['GLIBC_TUNABLES']} "
+            f"({e}); continuing without transparent huge pages",
+            RuntimeWarning,
+            stacklevel=2,
+        )

@@ -106,3 +106,14 @@ def test_thp_mode_reads_the_bracketed_entry(tmp_path):
     path.write_text("[never]\n")
     assert host.thp_mode(str(path)) == "never"
     assert host.thp_mode(str(tmp_path / "missing")) is None
+
+
+def test_a_failed_restart_warns_and_carries_on(monkeypatch):
+    monkeypatch.setattr(host, "restart_needed", lambda: True)
+
+    def refuse(*args):
+        raise PermissionError("exec refused")
+
+    monkeypatch.setattr(host.os, "execve", refuse)
+    with pytest.warns(RuntimeWarning, match="exec refused"):
+        host.restart_with_huge_pages()
