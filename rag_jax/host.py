@@ -55,18 +55,21 @@ def huge_pages_tunable_set(environ=None) -> bool:
     return any(entry.startswith("glibc.malloc.hugetlb=") for entry in entries)
 
 
-def restart_needed(environ=None) -> bool:
-    """Whether `restart_with_huge_pages` would re-execute this process.
+def tunable_takes_effect() -> bool:
+    """Whether this host honours the tunable: glibc 2.35 or newer (the first with
+    `glibc.malloc.hugetlb`) and the kernel's THP mode `madvise` (with `always` large mappings get
+    huge pages anyway; with `never`, or no THP, they cannot)."""
+    version = glibc_version()
+    return version is not None and version >= (2, 35) and thp_mode() == "madvise"
 
-    It does when the tunable can take effect and is not set yet: glibc 2.35 or newer (the first
-    with `glibc.malloc.hugetlb`), the kernel's THP mode `madvise` (with `always` large mappings
-    get huge pages anyway; with `never`, or no THP, they cannot), and `RAG_JAX_HUGE_PAGES` not 0.
-    """
+
+def restart_needed(environ=None) -> bool:
+    """Whether `restart_with_huge_pages` would re-execute this process: the tunable takes effect
+    here (`tunable_takes_effect`), is not set yet, and `RAG_JAX_HUGE_PAGES` is not 0."""
     environ = os.environ if environ is None else environ
     if environ.get(OPT_OUT, "1") == "0" or huge_pages_tunable_set(environ):
         return False
-    version = glibc_version()
-    return version is not None and version >= (2, 35) and thp_mode() == "madvise"
+    return tunable_takes_effect()
 
 
 def restart_with_huge_pages() -> None:

@@ -41,21 +41,17 @@ CHILD = textwrap.dedent(
 )
 
 needs_thp = pytest.mark.skipif(
-    not (host.glibc_version() or (0, 0)) >= (2, 35) or host.thp_mode() != "madvise",
+    not host.tunable_takes_effect(),
     reason="needs glibc >= 2.35 and the kernel's transparent huge pages in madvise mode "
     f"(glibc {host.glibc_version()}, THP mode {host.thp_mode()})",
 )
 
 
-def _run_child(env_updates: dict[str, str | None]) -> list[dict]:
+def _run_child(env_updates: dict[str, str]) -> list[dict]:
     env = dict(os.environ)
     env.pop("GLIBC_TUNABLES", None)
     env.pop(host.OPT_OUT, None)
-    for key, value in env_updates.items():
-        if value is None:
-            env.pop(key, None)
-        else:
-            env[key] = value
+    env.update(env_updates)
     proc = subprocess.run(
         [sys.executable, "-c", CHILD, "--flag", "value"],
         env=env,
