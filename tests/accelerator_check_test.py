@@ -6,7 +6,6 @@ in the jaxpr of the very loss the step differentiates, with tiny distinct dimens
 
 import functools
 import json
-import math
 import os
 import pathlib
 import subprocess
@@ -21,23 +20,12 @@ from rag_jax import bart, bert, rag
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "experiments"))
 from bench import accelerator as ac  # noqa: E402
+from bench import floor  # noqa: E402
 
 
 def _matmul_flops(jaxpr) -> int:
     """2 x multiply-adds of every dot_general in a jaxpr, nested jaxprs included."""
-    total = 0
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "dot_general":
-            (lhs_contract, _), _ = eqn.params["dimension_numbers"]
-            lhs = eqn.invars[0].aval.shape
-            contract = math.prod(lhs[i] for i in lhs_contract)
-            total += 2 * contract * math.prod(eqn.outvars[0].aval.shape)
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, tuple | list) else (value,):
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    total += _matmul_flops(inner)
-    return total
+    return sum(count * floor.flops(p) for p, count in floor.dot_generals(jaxpr).items())
 
 
 def test_train_flops_counts_exactly_the_matmuls_of_the_loss():

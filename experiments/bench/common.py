@@ -43,9 +43,21 @@ def timed(fn: Callable[[], object]) -> tuple[float, object]:
     return time.perf_counter() - t0, value
 
 
+# Untimed pause before each timed call of an alternating comparison. A library's worker threads
+# spin for a while after its last op (PyTorch's OpenMP threads for milliseconds, XLA's and
+# OpenBLAS's more briefly), and on 2 cores that spinning takes the other side's CPU: measured, a
+# 10k-row exact search right after a torch matmul took 7.5 ms median against 0.9 ms right after a
+# jax op. The pause lets each side start as it would in a process of its own.
+SETTLE_S = 0.05
+
+
+def settle() -> None:
+    time.sleep(SETTLE_S)
+
+
 def compare(ours_fn, ref_fn, *, repeats: int, warmup: int) -> tuple[dict, object, object]:
     """Times rag_jax against its reference: first calls (compile), warm-up, then alternating
-    single timed calls, so both sides see the same machine load.
+    single timed calls, so both sides see the same machine load, each after `settle()`.
 
     Returns:
       (timings: medians, best-vs-best ratio, compile time and every run; ours' first value; the
@@ -58,7 +70,9 @@ def compare(ours_fn, ref_fn, *, repeats: int, warmup: int) -> tuple[dict, object
         ref_fn()
     ours_runs, ref_runs = [], []
     for _ in range(repeats):
+        settle()
         ours_runs.append(timed(ours_fn)[0])
+        settle()
         ref_runs.append(timed(ref_fn)[0])
     ours_s, ref_s = statistics.median(ours_runs), statistics.median(ref_runs)
     timings = {

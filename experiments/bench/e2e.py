@@ -21,13 +21,19 @@ encoder, RAG-Sequence loss, backward, AdamW). Each phase is timed on its own, fo
 Same tiny models as the `train_step` suite (the HF model is saved and loaded with `hf.load_rag`),
 same passages (random words of a 995-word vocabulary, C >= 100k), same passage vectors, same
 questions and labels, float32, dropout off, the benchmark's threads for torch and faiss. The two
-pipelines alternate single steps, each on the next batch of questions, after a warm-up (jit
-compilation for rag_jax). The first batch checks that both retrieve the same passages, build the
+pipelines alternate single steps, each on the next batch of questions and each after a pause
+(`common.settle`: the other side's threads stop spinning), after a warm-up (jit compilation for
+rag_jax). The first batch checks that both retrieve the same passages, build the
 same context tokens (HF's past rag_jax's width being padding only) and compute the same loss.
 Contexts here are ~75 tokens (60-word passages, 8-word questions), so HF's layout is ~40%
 padding, which its generator encodes and attends over; rag_jax's trainer drops the columns that
 are padding in every row of the batch (the loss and gradients are unchanged; see
 `tests/context_width_test.py`).
+
+The floor (`bench/floor.py`): rag_jax's joint step's matmuls, each alone by the fastest kernel at
+hand, plus one AdamW update alone, at the widest step's shapes. The goal leaves the step the
+reference pipeline's fastest time over 2, less rag_jax's fastest encode + search + gather; below
+the floor, no implementation of the same step reaches it on this machine.
 
 Legend: B questions, N docs, S context length, T target length, Q question length, C passages,
 D vector width.
@@ -48,6 +54,7 @@ import transformers
 from transformers.models.rag import retrieval_rag
 
 from bench import common
+from bench import floor as step_floor
 from bench import train_step as ts
 from rag_jax import batches, experiment, hf, rag, train
 from rag_jax.corpus import Passage
@@ -137,6 +144,7 @@ class Ours:
         self.state = train.TrainState(jnp.zeros((), jnp.int32), params, tx.init(params))
         self.step_fn = train.make_train_step(cfg, "sequence", tx, jax.random.PRNGKey(0), True)
         self.embed = jax.jit(lambda p, ids, mask: rag.question_embeddings(cfg, p, ids, mask))
+        self.widest = None  # the device batch of the widest step so far
 
     def step(self, batch) -> tuple[dict, float, dict]:
         t0 = _clock()
@@ -166,6 +174,8 @@ class Ours:
             "labels": batch["labels"],
         }
         device_batch = jax.device_put(device_batch)
+        if self.widest is None or width > self.widest["context_input_ids"].shape[-1]:
+            self.widest = device_batch  # the floor is taken at the widest step
         self.state, metrics = self.step_fn(self.state, device_batch)
         loss_sum, count = jax.device_get(metrics["loss"])  # blocks until the step is done
         t4 = _clock()
@@ -257,6 +267,32 @@ def _check_same_work(ours_out, ref_out, ours_loss, ref_loss) -> dict:
     return {"loss_ours": ours_loss, "loss_ref": ref_loss, "loss_rel_diff": rel}
 
 
+def _floor(ours: Ours, ours_times, ref_times) -> dict:
+    """rag_jax's joint step's floor (`floor.step_floor`, at the widest step's shapes) against the
+    step time the goal leaves once rag_jax's other phases take their fastest measured times."""
+    out = step_floor.step_floor(
+        ours.step_fn, (ours.state, ours.widest), ours.state.params, ts.ADAMW
+    )
+    goal = min(sum(t.values()) for t in ref_times) / 2
+    others = min(t["encode"] + t["search"] + t["gather"] for t in ours_times)
+    result = {
+        "goal_ms": 1e3 * goal,
+        "ours_other_phases_min_ms": 1e3 * others,
+        "goal_step_ms": 1e3 * (goal - others),
+        "step_floor_ms": out["ms"],
+        "floor": out,
+    }
+    print(
+        f"  2x needs a {result['goal_ms']:.1f} ms pipeline: with rag_jax's encode + search + "
+        f"gather at their fastest ({result['ours_other_phases_min_ms']:.1f} ms), a "
+        f"{result['goal_step_ms']:.1f} ms step, against the step's floor of {out['ms']:.1f} ms "
+        f"(matmuls {out['matmuls']['ms']:.1f}, AdamW {out['adamw']['ms']:.1f}; XLA's matmuls "
+        f"alone {out['matmuls']['xla_ms']:.1f})",
+        flush=True,
+    )
+    return result
+
+
 def _roofline(cfg, batch: int, ours_times, ref_times, widths, quick: bool) -> dict:
     """Both joint steps' model FLOP rates against this machine's matmul peak, and the rate
     rag_jax's step would need for the whole pipeline to be 2x HF's with every other phase free."""
@@ -322,7 +358,9 @@ def run(quick: bool = False) -> dict:
         ours_times, ref_times, widths = [], [], []
         check = None
         for i, batch in enumerate(batches):
+            common.settle()
             o_times, o_loss, o_out = ours.step(batch)
+            common.settle()
             r_times, r_loss, r_out = ref.step(batch)
             if i == 0:
                 check = _check_same_work(o_out, r_out, o_loss, r_loss)
@@ -357,6 +395,7 @@ def run(quick: bool = False) -> dict:
     roofline = _roofline(cfg, batch_size, ours_times, ref_times, widths, quick)
     return {
         "roofline": roofline,
+        "floor": _floor(ours, ours_times, ref_times),
         "columns": [
             "phase",
             "ours_ms",

@@ -12,7 +12,8 @@ with parameters and optimizer state donated. Reference: HF `Rag*ForGeneration` f
 Same configs, same weights (the HF model is saved and loaded with `hf.load_rag`), same inputs, same
 AdamW hyperparameters, float32, dropout off on both sides, the benchmark's threads. After warm-up
 (compilation for rag_jax; torch's allocator and kernel selection settle within 3-5 steps here) the
-two sides alternate single steps, so load from other processes hits them alike. `speedup` is the
+two sides alternate single steps, so load from other processes hits them alike, each after a
+pause (`common.settle`) in which the other side's threads stop spinning. `speedup` is the
 ratio of medians; `speedup_min` the ratio of the fastest steps, which is what to read on a busy
 machine: torch's two OpenMP threads slow down ~10x whenever another process takes a core (its
 workers wait at every op's barrier), far more than XLA's pool, so medians there favour rag_jax.
@@ -24,6 +25,11 @@ Roofline: the suite first measures this machine's float32 matmul peak on the sam
 FLOPs of forward and backward, `accelerator.train_flops`, over the fastest step) as a share of it,
 and `goal_pct_of_peak`: the share a step meeting the goal (GOALS x the reference's fastest) would
 have to sustain. Over 100% the goal is out of reach on this machine for any implementation.
+
+Floor: a sharper bound from the step itself (`bench/floor.py`): every matmul of rag_jax's step,
+each timed alone at its own shape by the fastest kernel at hand (XLA's or torch's), plus one AdamW
+update alone, everything else free. `goal_ms` (the reference's fastest step over the goal) below
+`floor_ms` means no implementation of the same arithmetic reaches the goal on this machine.
 
 Legend: B questions, N docs, S context length, T target length, Q question length.
 """
@@ -39,12 +45,14 @@ import torch
 import transformers
 
 from bench import common
+from bench import floor as step_floor
 from bench.accelerator import train_flops
 from rag_jax import hf, rag
 
 N_DOCS, CONTEXT, TARGET, QUESTION = 5, 128, 32, 16
 # AdamW as both libraries spell it (torch's defaults; optax's weight decay default differs).
 LEARNING_RATE, BETAS, EPS, WEIGHT_DECAY = 1e-4, (0.9, 0.999), 1e-8, 0.01
+ADAMW = dict(lr=LEARNING_RATE, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
 
 # name -> (HF BertConfig kwargs for the DPR question encoder, HF BartConfig kwargs). The tiny
 # models are initialised with a larger std than HF's 0.02: at width 64 that would leave the output
@@ -140,8 +148,9 @@ def make_batch(cfg: rag.RagConfig, batch: int, seed: int = 0) -> dict[str, np.nd
     }
 
 
-def _jax_step_fn(cfg, params, batch, variant):
-    """A no-argument closure running one donated, jitted step; returns the step's loss."""
+def _jax_train_step(cfg, variant):
+    """(The step as a pure function `(params, opt_state, batch) -> (params, opt_state, loss)`,
+    its AdamW)."""
     tx = optax.adamw(LEARNING_RATE, *BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
 
     def train_step(params, opt_state, batch):
@@ -151,6 +160,12 @@ def _jax_step_fn(cfg, params, batch, variant):
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
+    return train_step, tx
+
+
+def _jax_step_fn(cfg, params, batch, variant):
+    """A no-argument closure running one donated, jitted step; returns the step's loss."""
+    train_step, tx = _jax_train_step(cfg, variant)
     step = jax.jit(train_step, donate_argnums=(0, 1))
     # Copies: the donated buffers must not alias arrays the caller keeps.
     state = {"params": jax.tree.map(jnp.array, params), "opt_state": None}
@@ -242,6 +257,21 @@ def _roofline(cfg: rag.RagConfig, name: str, batch: int, result: dict, peak: flo
     }
 
 
+def floor(cfg: rag.RagConfig, params, batch: dict, variant: str, name: str, ref_min_s: float):
+    """The step's floor on this machine (`floor.step_floor`) against the goal's step time."""
+    train_step, tx = _jax_train_step(cfg, variant)
+    batch = {k: jnp.asarray(v) for k, v in batch.items()}
+    out = step_floor.step_floor(train_step, (params, tx.init(params), batch), params, ADAMW)
+    return {
+        "goal_ms": 1e3 * ref_min_s / GOALS[name],
+        "floor_ms": out["ms"],
+        "matmul_floor_ms": out["matmuls"]["ms"],
+        "xla_matmul_floor_ms": out["matmuls"]["xla_ms"],
+        "adamw_floor_ms": out["adamw"]["ms"],
+        "floor": out,
+    }
+
+
 def run(quick: bool = False) -> dict:
     peak = common.matmul_peak(512 if quick else 2048)
     print(
@@ -275,12 +305,17 @@ def run(quick: bool = False) -> dict:
                         "ours_ex_per_s": batch_size / result["ours_s"],
                         "ref_ex_per_s": batch_size / result["ref_s"],
                         **_roofline(cfg, name, batch_size, result, peak["peak_gflop_s"]),
+                        **floor(cfg, params, batch, variant, name, min(result["ref_runs_s"])),
                     }
                 )
+                row = rows[-1]
                 print(
-                    f"  {rows[-1]['case']}: ours {result['ours_s']:.4g}s, "
-                    f"ref {result['ref_s']:.4g}s, x{result['speedup']:.3g}; the goal needs "
-                    f"{rows[-1]['goal_pct_of_peak']:.0f}% of the matmul peak",
+                    f"  {row['case']}: ours {result['ours_s']:.4g}s, ref {result['ref_s']:.4g}s, "
+                    f"x{result['speedup']:.3g}; the goal needs {row['goal_pct_of_peak']:.0f}% "
+                    f"of the matmul peak, a {row['goal_ms']:.4g} ms step against a floor of "
+                    f"{row['floor_ms']:.4g} ms (matmuls {row['matmul_floor_ms']:.4g}, AdamW "
+                    f"{row['adamw_floor_ms']:.4g}; XLA's matmuls alone "
+                    f"{row['xla_matmul_floor_ms']:.4g})",
                     flush=True,
                 )
                 del model
@@ -300,6 +335,8 @@ def run(quick: bool = False) -> dict:
             "ours_pct_of_peak",
             "ref_pct_of_peak",
             "goal_pct_of_peak",
+            "goal_ms",
+            "floor_ms",
             "compile_s",
             "loss_ours",
             "loss_ref",
@@ -317,7 +354,7 @@ def run(quick: bool = False) -> dict:
             "context_length": CONTEXT,
             "target_length": TARGET,
             "question_length": QUESTION,
-            "adamw": dict(lr=LEARNING_RATE, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY),
+            "adamw": ADAMW,
             "cases": {k: dict(zip(("B", "steps", "torch_warmup"), v)) for k, v in CASES.items()},
         },
     }
