@@ -42,10 +42,11 @@ def main(argv=None):
     from bench import common
 
     os.makedirs(args.out, exist_ok=True)
-    # Both sides share the process, so both run on the same allocator settings (`rag_jax.host`).
+    # Both sides share the process, so both run on the same host settings (`rag_jax.host`).
     host_settings = {
         "glibc_tunables": os.environ.get("GLIBC_TUNABLES", ""),
         "transparent_huge_pages": host.thp_mode(),
+        "openblas_thread_timeout": os.environ.get(host.OPENBLAS_TIMEOUT[0], "default (28)"),
     }
     print(f"host: {host_settings}")
     for name in args.suites.split(","):
@@ -65,5 +66,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    host.restart_with_huge_pages()  # glibc reads it only at start: before any work
+    host.restart_with_host_settings()  # read only at process start: before any work
     main()

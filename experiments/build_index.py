@@ -63,5 +63,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    host.restart_with_huge_pages()  # glibc reads it only at start: before any work
+    host.restart_with_host_settings()  # read only at process start: before any work
     main()

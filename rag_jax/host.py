@@ -8,11 +8,20 @@ advised to transparent huge pages (2 MiB): the step's page faults fall from ~36,
 the tiny training step of `experiments/bench/train_step.py` went from 137-141 ms to 99-104 ms
 (its two variants, without and with the tunable).
 
-glibc reads its tunables once, at process start, so a running process cannot switch this on:
-`restart_with_huge_pages` re-executes the current command with the tunable added to
-`GLIBC_TUNABLES`. The experiment scripts call it first thing; library users can call it at the top
-of their own scripts, or export the variable themselves. On accelerators the step's buffers live
-in device memory and this changes only host-side allocations.
+OpenBLAS (numpy's BLAS, which `ExactIndex` scores with) keeps its worker threads spinning for
+2^28 cycles (~0.1 s) after each call, and on a small host they take the cores from the XLA step
+that follows the search: the tiny RAG-Sequence step (contexts 80 wide, as in the `e2e` benchmark)
+ran 66 ms median alone and 103 ms right after a 100k-row `ExactIndex` search. With
+`OPENBLAS_THREAD_TIMEOUT=4` (2^4 cycles) they sleep as soon as the call ends: 80 ms after a search
+against 88 ms alone, the search itself no slower (4.7 against 5.1 ms).
+
+glibc reads its tunables, and OpenBLAS its settings, once, when the process starts and numpy is
+first imported, so a running process cannot switch either on: `restart_with_host_settings`
+re-executes the current command with them added to its environment. The experiment scripts call
+it first thing; library users can call it at the top of their own scripts, or export the
+variables themselves. A value already in the environment is kept (`OPENBLAS_THREAD_TIMEOUT=28` is
+OpenBLAS's default), and `RAG_JAX_HUGE_PAGES=0` leaves huge pages off. On accelerators the step's
+buffers live in device memory and these change only host-side work.
 """
 
 import os
@@ -20,8 +29,10 @@ import sys
 import warnings
 
 TUNABLE = "glibc.malloc.hugetlb=1"
-# Set to "0" to keep the process as started (e.g. to measure without huge pages).
+# Set to "0" to keep large allocations on small pages (e.g. to measure without huge pages).
 OPT_OUT = "RAG_JAX_HUGE_PAGES"
+# log2 of the cycles OpenBLAS's idle workers spin before they sleep (its range: 4-30).
+OPENBLAS_TIMEOUT = ("OPENBLAS_THREAD_TIMEOUT", "4")
 THP_MODE_FILE = "/sys/kernel/mm/transparent_hugepage/enabled"
 
 
@@ -63,34 +74,47 @@ def tunable_takes_effect() -> bool:
     return version is not None and version >= (2, 35) and thp_mode() == "madvise"
 
 
-def restart_needed(environ=None) -> bool:
-    """Whether `restart_with_huge_pages` would re-execute this process: the tunable takes effect
-    here (`tunable_takes_effect`), is not set yet, and `RAG_JAX_HUGE_PAGES` is not 0."""
+def startup_environment(environ=None) -> dict[str, str]:
+    """The variables `restart_with_host_settings` would set in `environ` (default: this
+    process's), with their new values; empty when nothing is missing.
+
+    - `GLIBC_TUNABLES` gains the huge-page tunable where it takes effect (`tunable_takes_effect`),
+      unless it is set already or `RAG_JAX_HUGE_PAGES` is 0;
+    - `OPENBLAS_THREAD_TIMEOUT` is set to 4 unless it is set already.
+    """
     environ = os.environ if environ is None else environ
-    if environ.get(OPT_OUT, "1") == "0" or huge_pages_tunable_set(environ):
-        return False
-    return tunable_takes_effect()
+    changes = {}
+    if (
+        environ.get(OPT_OUT, "1") != "0"
+        and not huge_pages_tunable_set(environ)
+        and tunable_takes_effect()
+    ):
+        changes["GLIBC_TUNABLES"] = ":".join(filter(None, (environ.get("GLIBC_TUNABLES"), TUNABLE)))
+    name, value = OPENBLAS_TIMEOUT
+    if name not in environ:
+        changes[name] = value
+    return changes
 
 
-def restart_with_huge_pages() -> None:
-    """Re-executes this process (same interpreter, flags and arguments, same pid) with large
-    allocations on transparent huge pages, when `restart_needed()`; otherwise returns.
+def restart_with_host_settings() -> None:
+    """Re-executes this process (same interpreter, flags and arguments, same pid) with
+    `startup_environment()` added to its environment, when that is not empty; otherwise returns.
 
     Call it before the process starts threads or does work worth keeping: nothing of the current
     process survives but its pid, environment and open descriptors.
     """
-    if not restart_needed() or not sys.executable:
+    changes = startup_environment()
+    if not changes or not sys.executable:
         return
-    env = dict(os.environ)
-    env["GLIBC_TUNABLES"] = ":".join(filter(None, (env.get("GLIBC_TUNABLES"), TUNABLE)))
+    env = {**os.environ, **changes}
     sys.stdout.flush()
     sys.stderr.flush()
     try:
         os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
     except OSError as e:  # the process carries on as started, only slower on CPU
+        settings = " ".join(f"{k}={v}" for k, v in changes.items())
         warnings.warn(
-            f"could not restart {sys.executable} with GLIBC_TUNABLES={env['GLIBC_TUNABLES']} "
-            f"({e}); continuing without transparent huge pages",
+            f"could not restart {sys.executable} with {settings} ({e}); continuing without them",
             RuntimeWarning,
             stacklevel=2,
         )

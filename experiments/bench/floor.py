@@ -129,7 +129,8 @@ def matmul_floor(products: collections.Counter) -> dict:
 
     Returns:
       {"ms", "xla_ms" (XLA's kernels only), "gflop", "gflop_s" (at the floor), "products",
-      "distinct", "top": the 5 costliest products as [count, [P, M, K, N], ms]}.
+      "distinct", "by_product": every distinct product as [count, [P, M, K, N], ms at the floor,
+      XLA's ms, torch's ms] (all counts included), costliest first}.
     """
     threads = torch.get_num_threads()
     one = ((1, 1), (1, 1), (((1,), (0,)), ((), ())))
@@ -145,7 +146,7 @@ def matmul_floor(products: collections.Counter) -> dict:
             ref = min(ref, max(0.0, _torch_time(*shape, 1) - torch_overhead) / threads)
         total += count * min(xla, ref)
         xla_total += count * xla
-        rows.append([count, list(shape), 1e3 * count * min(xla, ref)])
+        rows.append([count, list(shape), *(1e3 * count * t for t in (min(xla, ref), xla, ref))])
     gflop = sum(count * flops(p) for p, count in products.items()) / 1e9
     return {
         "ms": 1e3 * total,
@@ -154,7 +155,7 @@ def matmul_floor(products: collections.Counter) -> dict:
         "gflop_s": gflop / total if total else math.inf,
         "products": sum(products.values()),
         "distinct": len(products),
-        "top": sorted(rows, key=lambda r: -r[2])[:5],
+        "by_product": sorted(rows, key=lambda r: -r[2]),
     }
 
 
