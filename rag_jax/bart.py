@@ -49,7 +49,8 @@ class BartConfig:
     decoder_start_token_id: int = 2
     forced_bos_token_id: int | None = None
     forced_eos_token_id: int | None = 2
-    # Compute and parameter dtypes ("float32" or "bfloat16"); logits are always float32.
+    # Compute and parameter dtypes ("float32" or "bfloat16"; "float64" under jax_enable_x64);
+    # logits are float32 (float64 under float64 compute).
     dtype: str = "float32"
     param_dtype: str = "float32"
     # Recompute each layer's activations in the backward pass instead of storing them.
@@ -216,7 +217,7 @@ class Bart(nn.Module):
                 )
             self_mask = self_mask & decoder_mask.astype(bool)[:, None, None, :]
         x = self.decoder(decoder_input_ids, self_mask, encoded, cross_mask, decode, deterministic)
-        logits = self.shared.attend(x).astype(jnp.float32)
+        logits = self.shared.attend(x).astype(layers.accumulation_dtype(x.dtype))
         return logits + self.final_logits_bias
 
     def __call__(

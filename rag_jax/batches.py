@@ -55,6 +55,24 @@ def context_width(attention_mask: np.ndarray, max_length: int, multiple: int) ->
     return min(max_length, max(multiple, -(-longest // multiple) * multiple))
 
 
+def label_width(labels: np.ndarray, pad_id: int, max_length: int, multiple: int) -> int:
+    """How many label columns a batch needs: its longest label rounded up to `multiple`.
+
+    The columns past a batch's longest label are padding in every row. Dropping them leaves both
+    RAG losses and their gradients unchanged: the loss masks padded targets (the last kept
+    column's target, shifted in from the right, is padding either way) and the decoder is causal,
+    so no kept position reads a dropped one. HF's RAG fine-tuning collator trims its targets the
+    same way (`trim_batch`).
+
+    Args:
+      labels: [B, T] `answer_labels`.
+      pad_id: the generator's pad id.
+      max_length: T; the width when `multiple` is 0 and the cap otherwise.
+      multiple: width granularity; 0 = always `max_length`.
+    """
+    return context_width(np.asarray(labels) != pad_id, max_length, multiple)
+
+
 def answer_labels(tokenizer, answers, rag_cfg: rag.RagConfig, max_length: int) -> np.ndarray:
     """[B, T] labels laid out as generated sequences: decoder start, BOS, answer, EOS, pads.
 
@@ -187,6 +205,15 @@ class Batcher:
         self.prepare(step)
         examples, fields, pieces, labels = self._prepared[step]
         self._prepared = {k: v for k, v in self._prepared.items() if k > step}
+        width = sharding.max_over_processes(  # every process pads to the global batch's longest
+            label_width(
+                labels,
+                self.exp.rag_cfg.generator.pad_token_id,
+                c.data.answer_length,
+                c.data.get("answer_pad_multiple", 0),
+            )
+        )
+        labels = labels[:, :width]
         if doc_ids is None:
             hits = self.retrieve(params, fields, pieces)
         else:

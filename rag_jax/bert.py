@@ -39,7 +39,8 @@ class BertConfig:
     projection_dim: int = 0
     # Whether the checkpoint's pooler (dense + tanh on [CLS]) is part of the parameters.
     with_pooler: bool = False
-    # Compute and parameter dtypes ("float32" or "bfloat16"); outputs are always float32.
+    # Compute and parameter dtypes ("float32" or "bfloat16"; "float64" under jax_enable_x64);
+    # outputs are float32 (float64 under float64 compute).
     dtype: str = "float32"
     param_dtype: str = "float32"
     # Recompute each layer's activations in the backward pass instead of storing them.
@@ -130,14 +131,15 @@ class BertEncoder(nn.Module):
             )(x, mask, None, None, deterministic)
 
         cls = x[:, 0, :]  # -> [B, H]
-        aux = {"hidden": x.astype(jnp.float32)}
+        out_dtype = layers.accumulation_dtype(x.dtype)  # float32 unless computing in float64
+        aux = {"hidden": x.astype(out_dtype)}
         if cfg.with_pooler:
             pooler = layers.dense(
                 cfg.hidden_size, cfg.initializer_range, dtype, param_dtype, "pooler"
             )
-            aux["pooler_output"] = jnp.tanh(pooler(cls)).astype(jnp.float32)
+            aux["pooler_output"] = jnp.tanh(pooler(cls)).astype(out_dtype)
         if cfg.projection_dim > 0:
             cls = layers.dense(
                 cfg.projection_dim, cfg.initializer_range, dtype, param_dtype, "projection"
             )(cls)
-        return cls.astype(jnp.float32), aux
+        return cls.astype(out_dtype), aux

@@ -32,8 +32,9 @@ CONFIG_KEYS = {
     "": {"seed", "data", "model", "warm_start", "rag", "retrieval", "train", "eval"},
     "data": {
         "source", "num_entities", "distractors_per_fact", "eval_fraction", "question_length",
-        "answer_length", "target", "train_path", "eval_path", "corpus_path", "fields",
-        "max_train", "max_eval", "tfds_name", "train_split", "eval_split", "tfds_data_dir",
+        "answer_length", "answer_pad_multiple", "target", "train_path", "eval_path",
+        "corpus_path", "fields", "max_train", "max_eval", "tfds_name", "train_split",
+        "eval_split", "tfds_data_dir",
     },
     "model": {
         "init", "dtype", "remat", "deterministic", "question_encoder", "generator",
@@ -139,6 +140,11 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> None:
         raise ValueError(
             "config.rag.context_pad_multiple must be >= 0 (0 = always max_combined_length), "
             f"got {config.rag.context_pad_multiple}"
+        )
+    if config.data.get("answer_pad_multiple", 0) < 0:
+        raise ValueError(
+            "config.data.answer_pad_multiple must be >= 0 (0 = always answer_length), "
+            f"got {config.data.answer_pad_multiple}"
         )
     if config.data.source not in ("synthetic", "files", "tfds"):
         raise ValueError(

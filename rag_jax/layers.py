@@ -20,6 +20,12 @@ import jax.numpy as jnp
 MASK_VALUE = jnp.finfo(jnp.float32).min
 
 
+def accumulation_dtype(dtype) -> jnp.dtype:
+    """Logits, softmax and model outputs: float32 under bfloat16 or float32 compute, float64
+    under float64 compute (`jax_enable_x64`, for exactness checks free of float32 rounding)."""
+    return jnp.promote_types(dtype, jnp.float32)
+
+
 def _gelu_erf(x: jax.Array) -> jax.Array:
     """Exact GELU in the reference's erf form; XLA's erf is cheaper than the erfc of jax.nn.gelu."""
     return x * 0.5 * (1.0 + jax.lax.erf(x * jnp.asarray(2.0**-0.5, x.dtype)))
@@ -181,7 +187,9 @@ class Attention(nn.Module):
             if mask is not None and mask.ndim == 4:
                 mask = mask[:, None]  # [G, 1, T, S] -> [G, 1, 1, T, S]
         # Logits accumulate in float32 even under bfloat16 compute; softmax runs in float32.
-        logits = jnp.matmul(query, key, preferred_element_type=jnp.float32)  # -> [.., h, T, S]
+        logits = jnp.matmul(
+            query, key, preferred_element_type=accumulation_dtype(query.dtype)
+        )  # -> [.., h, T, S]
         if mask is not None:
             logits = jnp.where(mask, logits, MASK_VALUE)
         # Softmax with the normalisation deferred to after the value product: the division runs

@@ -236,11 +236,16 @@ def step_index(config: ml_collections.ConfigDict, exp: experiment.Experiment, me
 # The loop
 
 
-def _with_width(inputs: tuple, width: int) -> tuple:
-    """The train step's arguments as abstract values, with the contexts `width` columns wide."""
+def _with_width(inputs: tuple, context_width: int, label_width: int) -> tuple:
+    """The train step's arguments as abstract values, with the contexts `context_width` and the
+    labels `label_width` columns wide."""
 
     def widen(name, x):
-        shape = x.shape[:-1] + (width,) if name.startswith("context_") else x.shape
+        shape = x.shape
+        if name.startswith("context_"):
+            shape = x.shape[:-1] + (context_width,)
+        elif name == "labels":
+            shape = x.shape[:-1] + (label_width,)
         return jax.ShapeDtypeStruct(shape, x.dtype, sharding=x.sharding)
 
     batch = {name: widen(name, x) for name, x in inputs[0].items()}
@@ -434,7 +439,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir) -> dict:
     totals: dict = {}
     last_log = time.perf_counter()
     bar = tqdm.tqdm(total=tc.steps, initial=start, desc="train", disable=jax.process_index() != 0)
-    step, compiled = start, {}  # context width -> the train step compiled for it
+    step, compiled = start, {}  # (context width, label width) -> the train step compiled for it
     while step < tc.steps:
         if checkpoints.should_stop(step):
             ckpt.save(step, state, config, force=True)
@@ -450,11 +455,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir) -> dict:
             host_batch, recall = batcher.train_batch(None, step, doc_ids)
             next_questions = sharding.shard_batch(mesh, batcher.question_fields(step + 1))
             inputs = (sharding.shard_batch(mesh, host_batch), index, next_questions)
-        width = host_batch["context_input_ids"].shape[-1]  # batches.context_width
+        # batches.context_width and batches.label_width
+        width = (host_batch["context_input_ids"].shape[-1], host_batch["labels"].shape[-1])
         with jax.transfer_guard("disallow"):
             if not compiled:  # ahead of the first call: the widest step's memory is checked
-                widest = exp.rag_cfg.max_combined_length
-                compiled[widest] = step_fn.lower(state, *_with_width(inputs, widest)).compile()
+                widest = (exp.rag_cfg.max_combined_length, config.data.answer_length)
+                compiled[widest] = step_fn.lower(state, *_with_width(inputs, *widest)).compile()
                 _check_memory(compiled[widest], state, exp, mesh)
             if width not in compiled:
                 compiled[width] = step_fn.lower(state, *inputs).compile()

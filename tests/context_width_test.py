@@ -100,14 +100,16 @@ def test_evaluation_with_trimmed_contexts_generates_the_full_width_answers(wide)
 
 @pytest.mark.slow  # two training runs: ~40 s on 2 cores
 def test_training_with_trimmed_contexts_ends_where_full_width_training_does(tmp_path):
-    """Six steps end to end (every batch trimmed, one compiled step per width) against the same
-    run at HF's full width."""
+    """Six steps end to end (every batch's contexts and labels trimmed, one compiled step per
+    pair of widths) against the same run at HF's full widths."""
     params = {}
     for multiple in (0, 16):
         config = tiny_config(
             **{
                 "rag.max_combined_length": 64,
                 "rag.context_pad_multiple": multiple,
+                "data.answer_length": 16,
+                "data.answer_pad_multiple": multiple // 4,  # 0 or 4
                 "warm_start.method": "none",
             }
         )

@@ -8,7 +8,8 @@ encoder, RAG-Sequence loss, backward, AdamW). Each phase is timed on its own, fo
 - rag_jax, as `rag_jax.train` runs it: jitted `rag.question_embeddings` + `device_get` (encode),
   `ExactIndex.search` (search), stored vectors + `PassageStore.tokenize_questions` /
   `context_tokens` over the pre-tokenised passage store, padded to the batch's longest context
-  rounded up to 16 (`batches.context_width`, the trainer's default) (gather), the trainer's
+  rounded up to 16 (`batches.context_width`, the trainer's default), and the labels to their
+  longest rounded up to 8 (`batches.label_width`) (gather), the trainer's
   jitted, donated `train.make_train_step` with optax AdamW (step).
 - HF, as `RagModel.forward` runs it with a retriever attached: the question encoder's forward with
   autograd on (encode; its backward is in the step), transformers `RagRetriever` over a custom
@@ -16,7 +17,8 @@ encoder, RAG-Sequence loss, backward, AdamW). Each phase is timed on its own, fo
   `get_doc_dicts` + decoding the question ids + `postprocess_docs`, which joins title, text and
   question strings and tokenises them, padded to `max_combined_length` (S = 128) (gather),
   `bmm` doc scores + `RagSequenceForGeneration` forward with the contexts + backward +
-  `torch.optim.AdamW` (step).
+  `torch.optim.AdamW` (step). Its labels are trimmed to the batch's longest, as HF's RAG
+  fine-tuning collator does (`trim_batch`; untimed, a data loader's work).
 
 Same tiny models as the `train_step` suite (the HF model is saved and loaded with `hf.load_rag`),
 same passages (random words of a 995-word vocabulary, C >= 100k), same passage vectors, same
@@ -64,6 +66,7 @@ from rag_jax.retriever import Retriever
 N_DOCS, CONTEXT, TARGET, QUESTION = ts.N_DOCS, ts.CONTEXT, ts.TARGET, ts.QUESTION
 PASSAGE_WORDS, QUESTION_WORDS = 60, 8
 CONTEXT_PAD_MULTIPLE = 16  # the trainer's default (config.rag.context_pad_multiple)
+LABEL_PAD_MULTIPLE = 8  # the trainer's default (config.data.answer_pad_multiple)
 # (C passages, B questions, timed steps per pipeline, warm-up steps)
 FULL = (100_000, 8, 20, 3)
 QUICK = (10_000, 4, 3, 2)
@@ -164,6 +167,8 @@ class Ours:
         ctx, ctx_mask = self.store.context_tokens(ids, pieces, CONTEXT)  # -> [B * N, S]
         width = batches.context_width(ctx_mask, CONTEXT, CONTEXT_PAD_MULTIPLE)
         ctx, ctx_mask = ctx[:, :width], ctx_mask[:, :width]  # as the trainer's Batcher does
+        labels = batch["labels"]
+        labels = labels[:, : batches.label_width(labels, PAD_ID, TARGET, LABEL_PAD_MULTIPLE)]
         t3 = _clock()
         device_batch = {
             "question_input_ids": batch["question_input_ids"],
@@ -171,7 +176,7 @@ class Ours:
             "doc_vectors": doc_vectors,
             "context_input_ids": ctx.reshape(ids.shape + (-1,)),  # -> [B, N, S]
             "context_attention_mask": ctx_mask.reshape(ids.shape + (-1,)),
-            "labels": batch["labels"],
+            "labels": labels,
         }
         device_batch = jax.device_put(device_batch)
         if self.widest is None or width > self.widest["context_input_ids"].shape[-1]:
@@ -180,7 +185,8 @@ class Ours:
         loss_sum, count = jax.device_get(metrics["loss"])  # blocks until the step is done
         t4 = _clock()
         times = {"encode": t1 - t0, "search": t2 - t1, "gather": t3 - t2, "step": t4 - t3}
-        return times, float(loss_sum / count), {"doc_ids": ids, "context_input_ids": ctx}
+        out = {"doc_ids": ids, "context_input_ids": ctx, "label_width": labels.shape[-1]}
+        return times, float(loss_sum / count), out
 
 
 class Reference:
@@ -200,7 +206,9 @@ class Reference:
     def step(self, batch) -> tuple[dict, float, dict]:
         q_ids = torch.from_numpy(batch["question_input_ids"].astype(np.int64))
         q_mask = torch.from_numpy(batch["question_attention_mask"].astype(np.int64))
-        labels = torch.from_numpy(batch["labels"].astype(np.int64))
+        labels = batch["labels"]
+        labels = labels[:, (labels != PAD_ID).any(axis=0)]  # HF's fine-tuning collator's trim_batch
+        labels = torch.from_numpy(labels.astype(np.int64))
         self.opt.zero_grad(set_to_none=True)
         t0 = _clock()
         q = self.model.rag.question_encoder(q_ids, attention_mask=q_mask)[0]  # -> [B, D]
@@ -228,7 +236,8 @@ class Reference:
         loss = float(loss.detach())
         t4 = _clock()
         times = {"encode": t1 - t0, "search": t2 - t1, "gather": t3 - t2, "step": t4 - t3}
-        return times, loss, {"doc_ids": ids, "context_input_ids": ctx.numpy()}
+        out = {"doc_ids": ids, "context_input_ids": ctx.numpy(), "label_width": labels.shape[-1]}
+        return times, loss, out
 
 
 def make_batches(vocab_words, q_tok, g_tok, cfg, count: int, batch: int, seed: int = 2) -> list:
@@ -295,16 +304,21 @@ def _floor(ours: Ours, ours_times, ref_times) -> dict:
 
 def _roofline(cfg, batch: int, ours_times, ref_times, widths, quick: bool) -> dict:
     """Both joint steps' model FLOP rates against this machine's matmul peak, and the rate
-    rag_jax's step would need for the whole pipeline to be 2x HF's with every other phase free."""
+    rag_jax's step would need for the whole pipeline to be 2x HF's with every other phase free.
+
+    `widths`: {"context": rag_jax's context widths, "label": its label widths, "ref_label": HF's
+    label widths}, one per timed step; each side's FLOPs are counted at its widest."""
     peak = common.matmul_peak(512 if quick else 2048)
-    ours_flops = ts.step_flops(cfg, batch, max(widths))
-    ref_flops = ts.step_flops(cfg, batch, CONTEXT)
+    ours_flops = ts.step_flops(cfg, batch, max(widths["context"]), max(widths["label"]))
+    ref_flops = ts.step_flops(cfg, batch, CONTEXT, max(widths["ref_label"]))
     ours_step = min(t["step"] for t in ours_times)
     ref_step = min(t["step"] for t in ref_times)
     ref_total = min(sum(t.values()) for t in ref_times)
     out = {
         "matmul_peak": peak,
-        "ours_context_widths": sorted(set(widths)),
+        "ours_context_widths": sorted(set(widths["context"])),
+        "ours_label_widths": sorted(set(widths["label"])),
+        "ref_label_widths": sorted(set(widths["ref_label"])),
         "ours_step_gflop": ours_flops / 1e9,
         "ref_step_gflop": ref_flops / 1e9,
         "ours_step_gflop_s": ours_flops / ours_step / 1e9,
@@ -315,7 +329,7 @@ def _roofline(cfg, batch: int, ours_times, ref_times, widths, quick: bool) -> di
         out[f"{key}_pct_of_peak"] = 100 * out[f"{key}_gflop_s"] / peak["peak_gflop_s"]
     print(
         f"  matmul peak {peak['peak_gflop_s']:.1f} GFLOP/s; steps at "
-        f"{out['ours_step_pct_of_peak']:.0f}% (ours, S={max(widths)}) and "
+        f"{out['ours_step_pct_of_peak']:.0f}% (ours, S={max(widths['context'])}) and "
         f"{out['ref_step_pct_of_peak']:.0f}% (HF, S={CONTEXT}); 2x needs ours at "
         f"{out['goal_step_pct_of_peak']:.0f}% with every other phase free",
         flush=True,
@@ -355,7 +369,8 @@ def run(quick: bool = False) -> dict:
         ref = Reference(model, retriever, tok)
 
         batches = make_batches(vocab_words, tok, tok, cfg, warmup + repeats, batch_size)
-        ours_times, ref_times, widths = [], [], []
+        ours_times, ref_times = [], []
+        widths = {"context": [], "label": [], "ref_label": []}
         check = None
         for i, batch in enumerate(batches):
             common.settle()
@@ -368,7 +383,9 @@ def run(quick: bool = False) -> dict:
             if i >= warmup:
                 ours_times.append(o_times)
                 ref_times.append(r_times)
-                widths.append(o_out["context_input_ids"].shape[-1])
+                widths["context"].append(o_out["context_input_ids"].shape[-1])
+                widths["label"].append(o_out["label_width"])
+                widths["ref_label"].append(r_out["label_width"])
             print(
                 f"  step {i}: ours {sum(o_times.values()):.3f}s, HF {sum(r_times.values()):.3f}s",
                 flush=True,

@@ -223,7 +223,9 @@ def _params_count(params) -> int:
     return sum(int(np.prod(p.shape)) for p in jax.tree.leaves(params))
 
 
-def step_flops(cfg: rag.RagConfig, batch: int, context: int = CONTEXT) -> float:
+def step_flops(
+    cfg: rag.RagConfig, batch: int, context: int = CONTEXT, target: int = TARGET
+) -> float:
     """Model FLOPs of one train step at this suite's shapes (`accelerator.train_flops`)."""
     return train_flops(
         cfg.question_encoder,
@@ -232,7 +234,7 @@ def step_flops(cfg: rag.RagConfig, batch: int, context: int = CONTEXT) -> float:
         n_docs=N_DOCS,
         question=QUESTION,
         context=context,
-        target=TARGET,
+        target=target,
     )["train"]
 
 

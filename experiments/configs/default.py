@@ -30,6 +30,9 @@ def get_config():
     config.data.eval_fraction = 0.25  # entities held out for evaluation
     config.data.question_length = 24  # Q: question-encoder tokens per question
     config.data.answer_length = 8  # T: label tokens (decoder start, BOS, answer, EOS, pads)
+    # A training batch's labels: its longest, rounded up to this (0 = always T); exact, see
+    # batches.label_width.
+    config.data.answer_pad_multiple = 8
     config.data.target = "first"  # which answer to train on: first | sample
 
     config.model = ml_collections.ConfigDict()

@@ -57,6 +57,7 @@ def get_config():
     config.data.max_eval = 0  # use the first N evaluation questions; 0 = all
     config.data.question_length = 64  # Q: question-encoder tokens per question
     config.data.answer_length = 32  # T: label tokens (decoder start, BOS, answer, EOS, pads)
+    config.data.answer_pad_multiple = 8  # a batch's labels: its longest, in steps of 8
     config.data.target = "first"  # which answer to train on: first | sample
 
     config.model = ml_collections.ConfigDict()
