@@ -7,9 +7,9 @@ Each suite lives in `experiments/bench/<suite>.py` and exposes `run(quick: bool)
 {"columns": [...], "rows": [...], ...}; rows carry absolute times and the ratio to the reference.
 Results are printed as tables and written to `<out>/<suite>.json`.
 
-The script first restarts itself with glibc's large allocations on transparent huge pages
-(`rag_jax.host`; both sides share the process and so the setting). `RAG_JAX_HUGE_PAGES=0` measures
-the process as started instead.
+The script first restarts itself with `rag_jax.host`'s settings: glibc's large allocations on
+transparent huge pages and OpenBLAS's idle workers asleep (both sides share the process and so the
+settings). `RAG_JAX_HUGE_PAGES=0` and `OPENBLAS_THREAD_TIMEOUT=28` measure without them.
 """
 
 import argparse

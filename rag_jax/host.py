@@ -10,10 +10,10 @@ the tiny training step of `experiments/bench/train_step.py` went from 137-141 ms
 
 OpenBLAS (numpy's BLAS, which `ExactIndex` scores with) keeps its worker threads spinning for
 2^28 cycles (~0.1 s) after each call, and on a small host they take the cores from the XLA step
-that follows the search: the tiny RAG-Sequence step (contexts 80 wide, as in the `e2e` benchmark)
-ran 66 ms median alone and 103 ms right after a 100k-row `ExactIndex` search. With
-`OPENBLAS_THREAD_TIMEOUT=4` (2^4 cycles) they sleep as soon as the call ends: 80 ms after a search
-against 88 ms alone, the search itself no slower (4.7 against 5.1 ms).
+that follows the search: the tiny RAG-Sequence step (contexts 80 wide, as in the `e2e` benchmark;
+fastest of 12, processes alternating) took 65-68 ms alone and 87-90 ms right after a 100k-row
+`ExactIndex` search. With `OPENBLAS_THREAD_TIMEOUT=4` (2^4 cycles) they sleep as soon as the call
+ends: 62-67 ms after a search, the search itself no slower.
 
 glibc reads its tunables, and OpenBLAS its settings, once, when the process starts and numpy is
 first imported, so a running process cannot switch either on: `restart_with_host_settings`

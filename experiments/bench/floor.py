@@ -27,6 +27,7 @@ from collections.abc import Callable
 
 import jax
 import numpy as np
+import optax
 import torch
 from jax import lax
 
@@ -161,8 +162,6 @@ def matmul_floor(products: collections.Counter) -> dict:
 
 def adamw_floor(params, lr: float, betas: tuple, eps: float, weight_decay: float) -> dict:
     """One AdamW update of `params` alone: XLA (jitted, donated) and torch (fused), in ms."""
-    import optax
-
     tx = optax.adamw(lr, *betas, eps=eps, weight_decay=weight_decay)
     grads = jax.tree.map(lambda x: jax.numpy.full_like(x, 1e-3), params)
 

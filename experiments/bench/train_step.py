@@ -262,8 +262,8 @@ def _roofline(cfg: rag.RagConfig, name: str, batch: int, result: dict, peak: flo
 def floor(cfg: rag.RagConfig, params, batch: dict, variant: str, name: str, ref_min_s: float):
     """The step's floor on this machine (`floor.step_floor`) against the goal's step time."""
     train_step, tx = _jax_train_step(cfg, variant)
-    batch = {k: jnp.asarray(v) for k, v in batch.items()}
-    out = step_floor.step_floor(train_step, (params, tx.init(params), batch), params, ADAMW)
+    opt_state = jax.eval_shape(tx.init, params)  # tracing needs its shapes only
+    out = step_floor.step_floor(train_step, (params, opt_state, batch), params, ADAMW)
     return {
         "goal_ms": 1e3 * ref_min_s / GOALS[name],
         "floor_ms": out["ms"],
