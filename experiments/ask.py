@@ -9,7 +9,9 @@ import jax
 import numpy as np
 from absl import app, flags, logging
 
-from rag_jax import batches, data, evaluation, host, rag, sharding, train
+from rag_jax import data, evaluation, host, rag, sharding
+from rag_jax.training import loop
+from rag_jax.training.batcher import Batcher
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "a training workdir (checkpoints + config)")
 _QUESTIONS = flags.DEFINE_multi_string("question", None, "a question (repeatable)")
@@ -19,12 +21,12 @@ flags.mark_flags_as_required(["workdir", "question"])
 def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)
-    exp, state, _ = train.restore(_WORKDIR.value)
+    exp, state, _ = loop.restore(_WORKDIR.value)
     questions = [data.Example(q, ("",), f"q{i}") for i, q in enumerate(_QUESTIONS.value)]
     mesh = sharding.data_mesh(jax.devices()[:1])
     with exp.config.unlocked():
         exp.config.eval.batch_size = len(questions)
-    batcher = batches.Batcher(exp, mesh)
+    batcher = Batcher(exp, mesh)
     fields, pieces = batcher.questions(questions)
     hits = batcher.retrieve(state.params, fields, pieces)
     q = batcher.embed(state.params, fields["question_input_ids"], fields["question_attention_mask"])

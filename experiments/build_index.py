@@ -23,7 +23,9 @@ for about 96% of them.
 
 import argparse
 
-from rag_jax import encode, host, index_build
+from rag_jax import host
+from rag_jax.retrieval import encode
+from rag_jax.retrieval.build import build_index
 
 
 def main(argv=None):
@@ -43,7 +45,7 @@ def main(argv=None):
     parser.add_argument("--overwrite", action="store_true", help="replace another run's output")
     args = parser.parse_args(argv)
 
-    result = index_build.build_index(
+    result = build_index(
         args.corpus,
         args.encoder,
         args.generator_tokenizer,

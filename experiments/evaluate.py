@@ -14,7 +14,8 @@ import pathlib
 
 from absl import app, flags, logging
 
-from rag_jax import evaluation, host, train
+from rag_jax import evaluation, host
+from rag_jax.training import loop
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "a training workdir (checkpoints + config)")
 _VARIANT = flags.DEFINE_enum("variant", None, ["sequence", "token"], "default: the config's")
@@ -27,7 +28,7 @@ flags.mark_flag_as_required("workdir")
 def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)
-    exp, state, step = train.restore(_WORKDIR.value)
+    exp, state, step = loop.restore(_WORKDIR.value)
     config = exp.config
     variant = _VARIANT.value or config.rag.variant
     if _BEAMS.value or _DECODING.value:
@@ -38,7 +39,7 @@ def main(argv):
         exp.rag_cfg = exp.rag_cfg.replace(generation=generation)
     examples = exp.eval[: _MAX.value or None]
     metrics, predictions = evaluation.evaluate(
-        exp, state.params, examples, mesh=train.device_mesh(config), variant=variant
+        exp, state.params, examples, mesh=loop.device_mesh(config), variant=variant
     )
     out = pathlib.Path(_WORKDIR.value) / "eval_predictions.jsonl"
     out.write_text("".join(json.dumps(p) + "\n" for p in predictions), encoding="utf-8")

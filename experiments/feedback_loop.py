@@ -11,14 +11,20 @@ resumes where it stopped.
 """
 
 import argparse
+import importlib.util
 import os
 import pathlib
-import sys
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent / "configs"))
-import feedback as feedback_config  # noqa: E402
+import feedback_study
 
-from rag_jax import feedback, host  # noqa: E402
+from rag_jax import host
+
+# Loaded by path, as `--config experiments/configs/feedback.py` would load it.
+_SPEC = importlib.util.spec_from_file_location(
+    "feedback_config", pathlib.Path(__file__).resolve().parent / "configs" / "feedback.py"
+)
+feedback_config = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(feedback_config)
 
 
 def main(argv=None):
@@ -31,7 +37,7 @@ def main(argv=None):
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
     base = feedback_config.get_config(quick=args.quick)
-    selected = feedback.rows(args.quick, feedback_config.REFRESH_EVERY)
+    selected = feedback_study.rows(args.quick, feedback_config.REFRESH_EVERY)
     if args.rows:
         unknown = set(args.rows.split(",")) - set(selected)
         if unknown:
@@ -39,7 +45,7 @@ def main(argv=None):
         selected = {k: v for k, v in selected.items() if k in args.rows.split(",")}
 
     out = pathlib.Path(args.out).absolute()
-    results = feedback.run(
+    results = feedback_study.run(
         base,
         out,
         selected,
@@ -47,7 +53,7 @@ def main(argv=None):
         quick=args.quick,
         make_plot=not args.no_plot,
     )
-    print("\n" + feedback.table(results))
+    print("\n" + feedback_study.table(results))
     print(f"\nwrote {out / 'results.json'}" + ("" if args.no_plot else f", {out / 'curves.png'}"))
     print(f"total {results['seconds']:.0f} s")
     return results

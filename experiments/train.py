@@ -13,7 +13,8 @@ import json
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from rag_jax import host, train
+from rag_jax import host, settings
+from rag_jax.training import loop
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "experiment config file", lock_config=True
@@ -25,10 +26,11 @@ flags.mark_flags_as_required(["config", "workdir"])
 def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
-    summary = train.train_and_evaluate(_CONFIG.value, _WORKDIR.value)
+    summary = loop.train_and_evaluate(_CONFIG.value, _WORKDIR.value)
     print(json.dumps({k: v for k, v in summary.items() if k != "eval"}, sort_keys=True), flush=True)
 
 
 if __name__ == "__main__":
     host.restart_with_host_settings()  # read only at process start: before any work
+    settings.check_overrides()  # a mistyped --config.x: one line, not three tracebacks
     app.run(main)

@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from rag_jax.corpus import SURROGATE_ERROR, has_surrogate, json_objects, text_lines
+from rag_jax.retrieval.corpus import SURROGATE_ERROR, has_surrogate, json_objects, text_lines
 
 FIELDS = ("question", "answers", "id", "gold_ids")
 # Field mappings for the two QA files in `../shared/data` (see their READMEs).

@@ -8,8 +8,9 @@ import functools
 import jax
 import numpy as np
 
-from rag_jax import data, experiment, metrics, rag, rag_math, retriever, sharding
-from rag_jax.batches import Batcher
+from rag_jax import data, experiment, metrics, rag, rag_math, sharding
+from rag_jax.retrieval import retriever
+from rag_jax.training.batcher import Batcher
 
 
 def evaluate(exp: experiment.Experiment, params, examples, *, mesh, variant: str, ks=(1, 5)):

@@ -37,12 +37,15 @@ import jax
 import ml_collections
 import numpy as np
 
-from rag_jax import bart, bert, data, encode, hf, rag, sharding, synthetic, vector_files, warm_start
-from rag_jax.corpus import Passage, corpus_checksum, read_passages
-from rag_jax.device_index import DeviceIndex
-from rag_jax.index import ExactIndex, ScannIndex
-from rag_jax.passage_store import PassageStore, tokenizer_fingerprint
-from rag_jax.retriever import ClosedBook, Retriever
+from rag_jax import data, hf, rag, sharding, synthetic
+from rag_jax.models import bart, bert
+from rag_jax.retrieval import encode, files
+from rag_jax.retrieval.corpus import Passage, corpus_checksum, read_passages
+from rag_jax.retrieval.device_index import DeviceIndex
+from rag_jax.retrieval.index import ExactIndex, ScannIndex
+from rag_jax.retrieval.retriever import ClosedBook, Retriever
+from rag_jax.retrieval.store import PassageStore, tokenizer_fingerprint
+from rag_jax.training import warm_start
 
 
 @dataclasses.dataclass
@@ -88,14 +91,14 @@ def _load_data(config):
             passages,
             world,
         )
-    fields = dict(d.get("fields", None) or {}) or None
+    fields = dict(d.fields or {}) or None
     if d.source not in ("files", "tfds"):
         raise ValueError(f"config.data.source must be synthetic, files or tfds, got {d.source!r}")
     # With a prebuilt index (`config.retrieval.index_dir`) the passages come from its store.
-    passages = None if config.retrieval.get("index_dir") else read_passages(d.corpus_path)
+    passages = None if config.retrieval.index_dir else read_passages(d.corpus_path)
     if d.source == "files":
         train = data.read_examples(d.train_path, fields)
-        if d.get("eval_path"):
+        if d.eval_path:
             evals = data.read_examples(d.eval_path, fields)
         elif passages is None:
             raise ValueError("config.data.eval_path is empty: splitting by article needs passages")
@@ -104,11 +107,11 @@ def _load_data(config):
             titles = {p.id: p.title for p in passages}
             train, evals = data.split_by_title(train, titles, d.eval_fraction, config.seed)
     else:
-        train = data.read_tfds(d.tfds_name, d.train_split, d.get("tfds_data_dir", None))
-        evals = data.read_tfds(d.tfds_name, d.eval_split, d.get("tfds_data_dir", None))
-    if d.get("max_train", 0):
+        train = data.read_tfds(d.tfds_name, d.train_split, d.tfds_data_dir or None)
+        evals = data.read_tfds(d.tfds_name, d.eval_split, d.tfds_data_dir or None)
+    if d.max_train:
         train = train[: d.max_train]
-    if d.get("max_eval", 0):
+    if d.max_eval:
         evals = evals[: d.max_eval]
     return train, evals, passages, None
 
@@ -121,7 +124,7 @@ def _tokenizers(config, world):
     if m.init == "hf_rag":
         return hf.load_rag_tokenizers(m.rag_path)
     question = hf.load_tokenizer(m.question_encoder_path)
-    generator = hf.load_tokenizer(m.generator_path) if m.get("generator_path") else question
+    generator = hf.load_tokenizer(m.generator_path) if m.generator_path else question
     return question, generator
 
 
@@ -161,7 +164,7 @@ def _models(config, q_tok, g_tok, rng):
             q_params = _init_bert(q_cfg, q_rng)
         else:
             raise ValueError(f"config.model.init must be random, pretrained or hf_rag: {m.init!r}")
-        if m.get("generator_path"):
+        if m.generator_path:
             g_cfg, g_params = hf.load_bart(m.generator_path, **dtype)
         else:
             g_cfg = bart.BartConfig(
@@ -182,9 +185,9 @@ def _models(config, q_tok, g_tok, rng):
             **rag_fields,
         )
         params = {"question_encoder": q_params, "generator": g_params}
-    if m.get("passage_encoder_path"):
+    if m.passage_encoder_path:
         p_cfg, p_params = _load_encoder(m.passage_encoder_path, dtype)
-    elif m.init == "random" and not m.get("shared_towers", True):
+    elif m.init == "random" and not m.shared_towers:
         p_cfg, p_params = cfg.question_encoder, _init_bert(cfg.question_encoder, p_rng)
     else:
         # Both towers start from the same weights (DPR initialises both from one BERT).
@@ -325,7 +328,7 @@ def _cached(label: str, key: dict, template: dict, compute, config, workdir) -> 
     recomputes it.
     """
     fingerprint = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    directory = pathlib.Path(config.warm_start.get("cache_dir", "") or workdir) / "warm_start"
+    directory = pathlib.Path(config.warm_start.cache_dir or workdir) / "warm_start"
     path = directory / f"{fingerprint}.msgpack"
     if path.is_file():
         try:
@@ -337,7 +340,7 @@ def _cached(label: str, key: dict, template: dict, compute, config, workdir) -> 
     value = jax.device_get(compute())
     if jax.process_index() == 0:
         directory.mkdir(parents=True, exist_ok=True)
-        vector_files.write_atomic(path, flax.serialization.to_bytes(value))
+        files.write_atomic(path, flax.serialization.to_bytes(value))
     return value
 
 
@@ -351,7 +354,7 @@ def _cached_ict(config, rag_cfg, p_cfg, params, tokenizer, store, workdir) -> di
             for k, v in config.warm_start.items()
             if k != "cache_dir" and not k.startswith("reader_")
         },
-        "retrieval": {k: config.retrieval.get(k) for k in ("passage_max_length", "passage_format")},
+        "retrieval": {k: config.retrieval[k] for k in ("passage_max_length", "passage_format")},
         "question_length": config.data.question_length,
         "seed": config.seed,
         "corpus": store.checksum,
@@ -460,8 +463,8 @@ def load_index_dir(directory, store: PassageStore, passage_cfg, passage_params):
     Both are checked against this run's passage encoder (parameter fingerprint) and the store's
     corpus checksum, so an index encoded by another encoder or from another corpus is refused.
     """
-    from rag_jax import index as index_lib
-    from rag_jax.vector_files import load_vectors
+    from rag_jax.retrieval import index as index_lib
+    from rag_jax.retrieval.vectors import load_vectors
 
     directory = pathlib.Path(directory)
     expect = {
@@ -476,7 +479,7 @@ def load_index_dir(directory, store: PassageStore, passage_cfg, passage_params):
 
 def build(config: ml_collections.ConfigDict, workdir) -> Experiment:
     """Builds the experiment described by `config`, caching the passage store in `workdir`."""
-    if config.rag.get("closed_book", False) and config.rag.n_docs != 1:
+    if config.rag.closed_book and config.rag.n_docs != 1:
         raise ValueError(
             f"config.rag.closed_book needs config.rag.n_docs=1, got {config.rag.n_docs}"
         )
@@ -488,7 +491,7 @@ def build(config: ml_collections.ConfigDict, workdir) -> Experiment:
     q_tok, g_tok = _tokenizers(config, world)
     model_rng = jax.random.fold_in(jax.random.PRNGKey(config.seed), 0)
     rag_cfg, p_cfg, params = _models(config, q_tok, g_tok, model_rng)
-    index_dir = config.retrieval.get("index_dir")
+    index_dir = config.retrieval.index_dir
     if index_dir:
         store = PassageStore.open(pathlib.Path(index_dir) / "passages")
     else:
@@ -499,7 +502,7 @@ def build(config: ml_collections.ConfigDict, workdir) -> Experiment:
         raise ValueError(
             f"config.warm_start.method must be none or ict: {config.warm_start.method!r}"
         )
-    if config.warm_start.get("reader_steps", 0):
+    if config.warm_start.reader_steps:
         params = _cached_reader(config, rag_cfg, params, g_tok, workdir, world)
     if rag_cfg.n_docs > len(store):
         raise ValueError(
@@ -528,7 +531,7 @@ def build(config: ml_collections.ConfigDict, workdir) -> Experiment:
         n_docs=rag_cfg.n_docs,
         max_combined_length=rag_cfg.max_combined_length,
     )
-    if config.rag.get("closed_book", False):
+    if config.rag.closed_book:
         retriever = ClosedBook(
             g_tok, vectors.shape[1], max_combined_length=rag_cfg.max_combined_length
         )

@@ -15,7 +15,7 @@ import re
 import jax
 import numpy as np
 
-from rag_jax import bart, bert
+from rag_jax.models import bart, bert
 
 # Tensors a checkpoint may carry that are not parameters (non-persistent buffers in newer versions).
 _IGNORED = re.compile(r"(^|\.)(position_ids|token_type_ids)$")

@@ -22,7 +22,8 @@ import flax
 import jax
 import jax.numpy as jnp
 
-from rag_jax import bart, bert, decoding, rag_math
+from rag_jax import decoding, rag_math
+from rag_jax.models import bart, bert
 
 
 @dataclasses.dataclass(frozen=True)

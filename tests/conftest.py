@@ -14,6 +14,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pathlib  # noqa: E402
+import subprocess  # noqa: E402
 
 import pytest  # noqa: E402
 
@@ -28,3 +29,69 @@ def shared_data():
             reason=f"real QA data not found at {SHARED_DATA} (only present beside the project)"
         )
     return SHARED_DATA
+
+
+def _free_bytes(path) -> int:
+    stats = os.statvfs(path)
+    return stats.f_bavail * stats.f_frsize
+
+
+class SmallDisk:
+    """Real, small filesystems for disk-full tests: tmpfs mounts made (and unmounted) by a test.
+
+    A real full disk fails where a real disk fails (a write, a flush on close, a rename's new
+    directory entry), which is what the code under test must survive; raising ENOSPC by hand at
+    chosen points would not show that.
+    """
+
+    def __init__(self, root: pathlib.Path):
+        self.root, self.mounts = root, []
+
+    def mount(self, size: str) -> pathlib.Path:
+        """A new tmpfs of `size` (e.g. "64k"); skips the test where mounting is not allowed."""
+        point = self.root / f"disk{len(self.mounts)}"
+        point.mkdir()
+        made = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(point)],
+            capture_output=True,
+            text=True,
+        )
+        if made.returncode:
+            pytest.skip(
+                reason="cannot mount a small tmpfs here (disk-full tests need root): "
+                + (made.stderr.strip() or f"mount exited {made.returncode}")
+            )
+        self.mounts.append(point)
+        return point
+
+    def resize(self, point: pathlib.Path, size: str) -> None:
+        """Grows (or shrinks) a mount made by `mount`: space freed, or taken away."""
+        subprocess.run(["mount", "-o", f"remount,size={size}", str(point)], check=True)
+
+    def fill(self, point: pathlib.Path, leave: int = 0) -> pathlib.Path:
+        """Takes all but about `leave` bytes of the mount's free space with a filler file."""
+        filler = point / ".filler"
+        with open(filler, "ab") as f:
+            need = _free_bytes(point) - leave
+            while need > 0:
+                try:
+                    f.write(b"\0" * min(need, 1 << 16))
+                    f.flush()
+                except OSError:
+                    break
+                need = _free_bytes(point) - leave
+        return filler
+
+    def unmount_all(self) -> None:
+        for point in reversed(self.mounts):
+            subprocess.run(["umount", "-l", str(point)], check=False)
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """`SmallDisk` under the test's tmp_path; every mount is gone after the test."""
+    disks = SmallDisk(tmp_path)
+    try:
+        yield disks
+    finally:
+        disks.unmount_all()

@@ -8,7 +8,8 @@ import torch
 from safetensors.numpy import load_file, save_file
 
 import hf_fixtures
-from rag_jax import bart, hf
+from rag_jax import hf
+from rag_jax.models import bart
 
 
 def _edit_tensors(path, edit):

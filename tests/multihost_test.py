@@ -23,13 +23,14 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # a worker runs this file as a script
-sys.path.insert(0, str(ROOT / "experiments" / "configs"))
-import default as default_config  # noqa: E402
+from experiments.configs import default as default_config
+from rag_jax import checkpoints, data, rag, sharding
+from rag_jax.retrieval import index
+from rag_jax.retrieval.device_index import DeviceIndex
+from rag_jax.training import loop
+from rag_jax.training.inputs import question_tokens
 
-from rag_jax import batches, checkpoints, config_checks, data, index, rag, sharding, train  # noqa: E402
-from rag_jax.device_index import DeviceIndex  # noqa: E402
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 NUM_PROCESSES = 2
 DEVICES_PER_PROCESS = 4
@@ -57,6 +58,8 @@ def _run_workers(job: str, out: pathlib.Path, timeout: float = 300, **kwargs) ->
         os.environ,
         JAX_PLATFORMS="cpu",
         XLA_FLAGS=f"--xla_force_host_platform_device_count={DEVICES_PER_PROCESS}",
+        # A worker runs this file as a script: it imports the configs as the tests do.
+        PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
     )
     port, args = str(_free_port()), json.dumps({"out": str(out), **kwargs})
     logs = [out / f"{job}{i}.log" for i in range(NUM_PROCESSES)]
@@ -277,7 +280,7 @@ def _tiny_config(**overrides):
         "retrieval.passage_max_length": 32,
         **overrides,
     }
-    return config_checks.override(config, settings)
+    return settings.override(config, settings)
 
 
 def _train_job(out: pathlib.Path, one_process_dir: str, overrides: dict) -> None:
@@ -287,10 +290,10 @@ def _train_job(out: pathlib.Path, one_process_dir: str, overrides: dict) -> None
     # The one-process run's warm starts: the same starting point, so that what is compared is the
     # training. (Warm starts computed on 4 devices per process and on 8 differ in the last bits.)
     config.warm_start.cache_dir = one_process_dir
-    summary = train.train_and_evaluate(config, out / f"work{p}")
+    summary = loop.train_and_evaluate(config, out / f"work{p}")
     (out / f"summary{p}.json").write_text(json.dumps(summary))
     # The one-process run's checkpoint, restored over both processes.
-    _, state, step = train.restore(one_process_dir)
+    _, state, step = loop.restore(one_process_dir)
     assert step == 3
     np.savez(out / f"restored{p}.npz", **_flat(sharding.gather_to_host(state.params)))
 
@@ -303,7 +306,7 @@ def _flat(tree) -> dict[str, np.ndarray]:
 def _two_runs(tmp_path_factory, **overrides):
     """(one-process workdir, two-process directory) after 3 steps each."""
     one = tmp_path_factory.mktemp("one_process")
-    train.train_and_evaluate(_tiny_config(**overrides), one)
+    loop.train_and_evaluate(_tiny_config(**overrides), one)
     two = tmp_path_factory.mktemp("two_processes")
     _run_workers("train", two, timeout=900, one_process_dir=str(one), overrides=overrides)
     return one, two
@@ -325,12 +328,12 @@ def _assert_trained_alike(one, two):
 
     Returns (experiment, the two-process TrainState).
     """
-    exp, state_one, step = train.restore(one)
+    exp, state_one, step = loop.restore(one)
     assert step == 3
     want = _flat(state_one.params)
     # The two-process checkpoint restores in one process: the same parameters within 1e-5.
     config_two = checkpoints.load_config(two / "ckpt")
-    _, state_two, step = train.restore(two / "work0", config=config_two, exp=exp)
+    _, state_two, step = loop.restore(two / "work0", config=config_two, exp=exp)
     assert step == 3
     got = _flat(state_two.params)
     assert got.keys() == want.keys()
@@ -354,9 +357,7 @@ def _assert_top_by_score(exp, params, questions, retrieved, what):
     one process's in the last bits and near-tied passages may trade places: compare scores, not
     the order of ties.
     """
-    tokens = batches.question_tokens(
-        exp.question_tokenizer, questions, exp.config.data.question_length
-    )
+    tokens = question_tokens(exp.question_tokenizer, questions, exp.config.data.question_length)
     q = rag.question_embeddings(
         exp.rag_cfg, params, tokens["question_input_ids"], tokens["question_attention_mask"]
     )  # -> [E, D]
@@ -387,8 +388,8 @@ def test_two_process_logs_and_evaluation_come_from_process_zero(two_runs):
     assert [p["id"] for p in predictions] == [p["id"] for p in want] and len(want) == 11
     # The passages each host retrieved (from its own replica of the index) are the top 5.
     config_two = checkpoints.load_config(two / "ckpt")
-    exp, _, _ = train.restore(one)
-    _, state_two, _ = train.restore(two / "work0", config=config_two, exp=exp)
+    exp, _, _ = loop.restore(one)
+    _, state_two, _ = loop.restore(two / "work0", config=config_two, exp=exp)
     examples = exp.eval[: config_two.eval.max_examples or None]
     row = {pid: i for i, pid in enumerate(exp.store.ids)}
     retrieved = [[row[pid] for pid in p["retrieved"]] for p in predictions]

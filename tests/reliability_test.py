@@ -27,24 +27,17 @@ import numpy as np
 import pytest
 
 import hf_fixtures
-from rag_jax import (
-    batches,
-    checkpoints,
-    config_checks,
-    encode,
-    hf,
-    index,
-    index_build,
-    index_files,
-    train,
-    vector_files,
-)
-from rag_jax.corpus import Passage
-from rag_jax.passage_store import PassageStore
+from experiments.configs import default as default_config
+from rag_jax import checkpoints, hf, settings
+from rag_jax.retrieval import encode, files, index
+from rag_jax.retrieval.build import build_index, load_passage_encoder
+from rag_jax.retrieval.corpus import Passage
+from rag_jax.retrieval.store import PassageStore
+from rag_jax.retrieval.vectors import load_vectors
+from rag_jax.training import loop
+from rag_jax.training.batcher import Batcher
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "experiments" / "configs"))
-import default as default_config  # noqa: E402
 
 STEPS = 8
 # The tiny run: a small synthetic world, one-layer towers and BART, a 2-step warm start, no eval.
@@ -79,7 +72,7 @@ TINY = {
 
 
 def tiny_config(**overrides):
-    return config_checks.override(default_config.get_config(), {**TINY, **overrides})
+    return settings.override(default_config.get_config(), {**TINY, **overrides})
 
 
 def _flat(tree):
@@ -129,8 +122,8 @@ def preemption(monkeypatch):
 def straight(tmp_path_factory, compilation_cache):
     """An uninterrupted tiny run: its workdir (checkpoints at 1, 2, 4, 6, 8) and restore_step."""
     workdir = tmp_path_factory.mktemp("straight")
-    train.train_and_evaluate(tiny_config(), workdir)
-    exp, state, step = train.restore(workdir)
+    loop.train_and_evaluate(tiny_config(), workdir)
+    exp, state, step = loop.restore(workdir)
     assert step == STEPS
 
     def restore_step(directory, step):
@@ -150,27 +143,27 @@ def test_preemption_at_a_random_step_saves_that_step_and_resumes_bitwise(
 ):
     """SIGTERM while a random batch is prepared: the step it completes is saved, nothing lost."""
     batch_index = int(np.random.default_rng().integers(0, STEPS - 1))
-    original = batches.Batcher.train_batch
+    original = Batcher.train_batch
 
     def sigterm_at(self, params, step):
         if step == batch_index:
             os.kill(os.getpid(), signal.SIGTERM)  # the real signal, through the real handler
         return original(self, params, step)
 
-    monkeypatch.setattr(batches.Batcher, "train_batch", sigterm_at)
+    monkeypatch.setattr(Batcher, "train_batch", sigterm_at)
     config = tiny_config(**{"train.save_every": 1000})
-    summary = train.train_and_evaluate(config, tmp_path)
+    summary = loop.train_and_evaluate(config, tmp_path)
     out = capsys.readouterr().out
     stopped = batch_index + 1
     assert summary["steps"] == stopped and f"preempted: saved step {stopped}" in out, batch_index
     with checkpoints.Checkpointer(tmp_path, read_only=True) as ckpt:
         assert ckpt.latest_step() == stopped
 
-    monkeypatch.setattr(batches.Batcher, "train_batch", original)
+    monkeypatch.setattr(Batcher, "train_batch", original)
     preemption.clear()
-    assert train.train_and_evaluate(config, tmp_path)["steps"] == STEPS
+    assert loop.train_and_evaluate(config, tmp_path)["steps"] == STEPS
     assert f"resumed from checkpoint step {stopped} in" in capsys.readouterr().out
-    _, resumed, _ = train.restore(tmp_path, exp=straight.exp)
+    _, resumed, _ = loop.restore(tmp_path, exp=straight.exp)
     _assert_bitwise_equal(resumed.params, straight.state.params, f"preempted at {stopped}:")
     _assert_bitwise_equal(resumed.opt_state, straight.state.opt_state, f"preempted at {stopped}:")
 
@@ -298,7 +291,7 @@ def test_non_finite_loss_stops_at_its_step_and_the_last_good_checkpoint_is_intac
 ):
     """A NaN at train step 5 of a run saving every 2 steps and logging every 100: the run stops
     at step 5 naming the metric, and step 4 (not a NaN step 6) is its newest checkpoint."""
-    original = batches.Batcher.train_batch
+    original = Batcher.train_batch
 
     def poisoned(self, params, step):
         batch, recall = original(self, params, step)
@@ -306,15 +299,15 @@ def test_non_finite_loss_stops_at_its_step_and_the_last_good_checkpoint_is_intac
             batch = dict(batch, doc_vectors=np.full_like(batch["doc_vectors"], np.nan))
         return batch, recall
 
-    monkeypatch.setattr(batches.Batcher, "train_batch", poisoned)
+    monkeypatch.setattr(Batcher, "train_batch", poisoned)
     with pytest.raises(
         FloatingPointError,
         match=r"non-finite loss \(nan\) at train step 5 .* last good checkpoint, step 4,",
     ):
-        train.train_and_evaluate(tiny_config(**{"train.log_every": 100}), tmp_path)
+        loop.train_and_evaluate(tiny_config(**{"train.log_every": 100}), tmp_path)
     with checkpoints.Checkpointer(tmp_path, read_only=True) as ckpt:
         assert ckpt.all_steps() == [1, 2, 4]
-    _, state, step = train.restore(tmp_path, exp=straight.exp)
+    _, state, step = loop.restore(tmp_path, exp=straight.exp)
     assert step == 4
     _assert_bitwise_equal(state, straight.restore_step(straight.workdir, 4), "step 4:")
 
@@ -327,18 +320,19 @@ def _disk_full(*args, **kwargs):
     raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
 
-def test_small_state_files_are_replaced_whole_or_not_at_all(tmp_path, monkeypatch):
+def test_small_state_files_are_replaced_whole_or_not_at_all(small_disk):
     # eval_before.json, warm-start caches and refresh snapshots are written this way.
-    from rag_jax import vector_files
-
-    path = tmp_path / "eval_before.json"
-    vector_files.write_atomic(path, b'{"em": 0.5}')
+    disk = small_disk.mount("64k")
+    path = disk / "eval_before.json"
+    files.write_atomic(path, b'{"em": 0.5}')
     assert path.read_bytes() == b'{"em": 0.5}'
-    monkeypatch.setattr(os, "fsync", _disk_full)
-    with pytest.raises(OSError, match=r"disk full.*eval_before\.json") as raised:
-        vector_files.write_atomic(path, b'{"em": 0.75}')
+    filler = small_disk.fill(disk)
+    with pytest.raises(OSError, match=r"disk full while writing .*eval_before\.json") as raised:
+        files.write_atomic(path, b'{"em": 0.75}' * 4096)
     assert raised.value.errno == errno.ENOSPC
-    assert path.read_bytes() == b'{"em": 0.5}' and sorted(tmp_path.iterdir()) == [path]
+    message = str(raised.value)
+    assert "previous eval_before.json is intact" in message and "encod" not in message
+    assert path.read_bytes() == b'{"em": 0.5}' and sorted(disk.iterdir()) == [filler, path]
 
 
 @pytest.mark.slow  # the first trainer run of the module compiles: ~25 s
@@ -360,10 +354,10 @@ def test_disk_full_while_checkpointing_says_so_and_the_previous_step_survives(
         match=r"disk full while writing checkpoint step 4 .*the last complete checkpoint "
         r"\(step 2\) is intact",
     ) as raised:
-        train.train_and_evaluate(tiny_config(), tmp_path)
+        loop.train_and_evaluate(tiny_config(), tmp_path)
     assert raised.value.errno == errno.ENOSPC
     monkeypatch.setattr(async_path, "write_text", write_text)  # space freed
-    _, state, step = train.restore(tmp_path, exp=straight.exp)
+    _, state, step = loop.restore(tmp_path, exp=straight.exp)
     assert step == 2
     _assert_bitwise_equal(state, straight.restore_step(straight.workdir, 2), "step 2:")
 
@@ -400,7 +394,7 @@ def test_disk_full_on_a_real_small_filesystem_says_so(tmp_path):
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
-    """`index_build.build_index` over a 10-passage corpus with a tiny BERT, plus a ScaNN index."""
+    """`build_index` over a 10-passage corpus with a tiny BERT, plus a ScaNN index."""
     root = tmp_path_factory.mktemp("built")
     tokenizer_path = hf_fixtures.minilm_path()
     tokenizer = hf.load_tokenizer(tokenizer_path)
@@ -419,8 +413,8 @@ def built(tmp_path_factory):
         )
     )
     kwargs = dict(max_length=32, batch_size=4, shard_size=4, progress=False)
-    result = index_build.build_index(corpus, encoder, tokenizer_path, root / "out", **kwargs)
-    vectors = vector_files.load_vectors(result["vectors"])
+    result = build_index(corpus, encoder, tokenizer_path, root / "out", **kwargs)
+    vectors = load_vectors(result["vectors"])
     provenance = {k: result[k] for k in ("encoder_fingerprint", "corpus_checksum")}
     index.ScannIndex.build(vectors, **provenance).save(str(root / "out" / "scann"))
     return types.SimpleNamespace(
@@ -431,7 +425,7 @@ def built(tmp_path_factory):
 
 LOADERS = {
     "passages": PassageStore.open,
-    "vectors": vector_files.load_vectors,
+    "vectors": load_vectors,
     "index": index.load,
     "scann": index.load,
 }
@@ -468,7 +462,7 @@ def test_damaged_index_vectors_or_store_files_are_refused_naming_the_file(built,
 
 def test_index_from_another_corpus_or_encoder_is_refused_naming_the_field(built, tmp_path):
     store = PassageStore.open(built.out / "passages")
-    cfg, params = index_build.load_passage_encoder(built.encoder)
+    cfg, params = load_passage_encoder(built.encoder)
     tokenizer = hf.load_tokenizer(built.tokenizer)
 
     def expect(store, cfg, params):
@@ -479,13 +473,13 @@ def test_index_from_another_corpus_or_encoder_is_refused_naming_the_field(built,
 
     for kind in ("index", "scann"):  # the matching corpus and encoder load
         assert index.load(str(built.out / kind), expect(store, cfg, params)).count == 10
-    vector_files.load_vectors(built.out / "vectors", expect(store, cfg, params))
+    load_vectors(built.out / "vectors", expect(store, cfg, params))
 
     other_encoder = tmp_path / "other_encoder"
     hf_fixtures.save_bert(
         other_encoder, seed=1, vocab_size=tokenizer.vocab_size, max_position_embeddings=48
     )
-    other_cfg, other_params = index_build.load_passage_encoder(other_encoder)
+    other_cfg, other_params = load_passage_encoder(other_encoder)
     records = [store.passage(i) for i in range(len(store))]
     records[3] = Passage(records[3].id, records[3].title, records[3].text + " changed")
     other_store = PassageStore.build(records, tokenizer, tmp_path / "s")
@@ -498,64 +492,59 @@ def test_index_from_another_corpus_or_encoder_is_refused_naming_the_field(built,
             with pytest.raises(ValueError, match=message):
                 index.load(str(built.out / kind), wrong)
         with pytest.raises(ValueError, match=message):
-            vector_files.load_vectors(built.out / "vectors", wrong)
+            load_vectors(built.out / "vectors", wrong)
 
     # Re-running the build over the same directory with another corpus is refused too.
     changed = tmp_path / "corpus.jsonl"
     changed.write_text(built.corpus.read_text().replace("the river", "a river"))
     shutil.copytree(built.out, tmp_path / "out")
     with pytest.raises(ValueError, match=r"differs: \['corpus_checksum'\]"):
-        index_build.build_index(
-            changed, built.encoder, built.tokenizer, tmp_path / "out", **built.kwargs
-        )
+        build_index(changed, built.encoder, built.tokenizer, tmp_path / "out", **built.kwargs)
 
 
-def test_disk_full_while_writing_vectors_says_so_and_a_rerun_resumes(built, tmp_path, monkeypatch):
+def test_disk_full_while_writing_vectors_says_so_and_a_rerun_resumes(built, small_disk):
     store = PassageStore.open(built.out / "passages")
-    cfg, params = index_build.load_passage_encoder(built.encoder)
+    cfg, params = load_passage_encoder(built.encoder)
     tokenizer = hf.load_tokenizer(built.tokenizer)
-    write = vector_files._HashingWriter.write
-
-    def full_at_shard_1(self, data):
-        if self.f.name.endswith("vectors-00001.npy.tmp"):
-            _disk_full()
-        return write(self, data)
-
-    monkeypatch.setattr(vector_files._HashingWriter, "write", full_at_shard_1)
-    out = tmp_path / "vectors"
-    kwargs = {k: v for k, v in built.kwargs.items()}
-    with pytest.raises(
-        OSError, match=r"disk full while writing vectors shard .*vectors-00001\.npy"
-    ):
-        encode.encode_corpus(store, cfg, params, tokenizer, out, **kwargs)
-    assert sorted(p.name for p in out.iterdir()) == ["manifest.json", "vectors-00000.npy"]
-    with pytest.raises(ValueError, match="1 of 3 shards are finished"):
-        vector_files.load_vectors(out)
-    monkeypatch.setattr(vector_files._HashingWriter, "write", write)  # space freed
-    encode.encode_corpus(store, cfg, params, tokenizer, out, **kwargs)
+    disk = small_disk.mount("12k")  # three 4 KiB pages: the manifest and a shard or two fit
+    out = disk / "vectors"
+    with pytest.raises(OSError, match=r"disk full while writing .*vectors.*intact") as raised:
+        encode.encode_corpus(store, cfg, params, tokenizer, out, **built.kwargs)
+    assert raised.value.errno == errno.ENOSPC
+    assert not [p.name for p in out.iterdir() if ".tmp" in p.name]  # no half-written file
+    with pytest.raises(ValueError, match="shards are finished"):
+        load_vectors(out)
+    small_disk.resize(disk, "1m")  # space freed
+    encode.encode_corpus(store, cfg, params, tokenizer, out, **built.kwargs)
     for name in ("vectors-00000.npy", "vectors-00001.npy", "vectors-00002.npy"):
         assert (out / name).read_bytes() == (built.out / "vectors" / name).read_bytes(), name
 
 
-def test_disk_full_while_saving_an_index_or_store_says_so_and_keeps_what_was_there(
-    built, tmp_path, monkeypatch
-):
-    target = tmp_path / "index"
+def test_disk_full_while_saving_an_index_says_so_and_keeps_what_was_there(built, small_disk):
+    disk = small_disk.mount("64k")
+    target = disk / "index"
     shutil.copytree(built.out / "index", target)
     before = index.load(str(target))
-    monkeypatch.setattr(index_files, "json", types.SimpleNamespace(dump=_disk_full, load=json.load))
-    with pytest.raises(OSError, match=r"disk full while writing the index .*previous index there"):
-        index.ExactIndex(built.vectors * 2, **built.provenance).save(str(target))
-    monkeypatch.undo()
+    small_disk.fill(disk, leave=4096)
+    bigger = np.concatenate([built.vectors] * 40)  # 400 rows: more than the space left
+    with pytest.raises(OSError, match=r"disk full while writing the index .*previous index") as e:
+        index.ExactIndex(bigger, **built.provenance).save(str(target))
+    assert e.value.errno == errno.ENOSPC and "requested" not in str(e.value)
     after = index.load(str(target), {"corpus_checksum": built.provenance["corpus_checksum"]})
     np.testing.assert_array_equal(after.vectors, before.vectors)
+    assert sorted(p.name for p in disk.iterdir()) == [".filler", "index"]  # nothing left over
 
+
+def test_disk_full_while_building_a_store_says_so_and_leaves_nothing(built, small_disk):
     store = PassageStore.open(built.out / "passages")
-    records = [store.passage(i) for i in range(len(store))]
-    monkeypatch.setattr("rag_jax.passage_store._ColumnWriter.append", _disk_full)
-    with pytest.raises(OSError, match=r"disk full while building the passage store"):
-        PassageStore.build(records, hf.load_tokenizer(built.tokenizer), tmp_path / "store")
-    assert not any((tmp_path / "store").iterdir())
+    records = [store.passage(i) for i in range(len(store))] * 30  # ids repeat: never reached
+    records = [Passage(f"{i}", p.title, p.text) for i, p in enumerate(records)]
+    disk = small_disk.mount("16k")
+    with pytest.raises(OSError, match=r"disk full while writing the passage store") as raised:
+        PassageStore.build(records, hf.load_tokenizer(built.tokenizer), disk / "store")
+    assert raised.value.errno == errno.ENOSPC
+    assert "partial files were removed" in str(raised.value)
+    assert not any((disk / "store").iterdir())  # the disk is free again
 
 
 def test_a_store_build_killed_before_its_manifest_is_rebuilt(built, tmp_path):
@@ -602,20 +591,20 @@ def test_a_store_build_killed_before_its_manifest_is_rebuilt(built, tmp_path):
 def test_config_errors_fail_at_start_up_naming_the_key_and_the_fix(overrides, error, message):
     config = tiny_config()
     with config.unlocked():
-        config_checks.override(config, overrides)
+        settings.override(config, overrides)
     with pytest.raises(error, match=message):
-        config_checks.validate(config, 8)
+        settings.validate(config, 8)
 
 
 def test_config_defaults_and_the_tiny_config_pass_validation():
-    config_checks.validate(default_config.get_config(), 8)
-    config_checks.validate(tiny_config(), 1)
+    settings.validate(default_config.get_config(), 8)
+    settings.validate(tiny_config(), 1)
 
 
 def test_n_docs_larger_than_the_corpus_fails_before_training(tmp_path, compilation_cache):
     with pytest.raises(ValueError, match=r"config\.rag\.n_docs=999 exceeds the corpus size "
                        r"\d+; use at most \d+"):  # fmt: skip
-        train.train_and_evaluate(
+        loop.train_and_evaluate(
             tiny_config(**{"rag.n_docs": 999, "warm_start.method": "none"}), tmp_path
         )
     assert not (tmp_path / "checkpoints").exists() or not any((tmp_path / "checkpoints").iterdir())
@@ -635,8 +624,12 @@ def test_a_mistyped_command_line_override_fails_naming_it(tmp_path):
         timeout=300,
         env={**os.environ, "JAX_PLATFORMS": "cpu"},
     )
-    assert result.returncode != 0
-    assert 'Did you mean "save_every" instead of "save_evry"?' in result.stderr
+    assert result.returncode == 2
+    # One line naming the key and the closest settings, not a chain of tracebacks.
+    assert result.stderr.splitlines() == [
+        "error: config.train.save_evry is not a setting rag_jax reads; did you mean "
+        "config.train.save_every?"
+    ]
     assert not (tmp_path / "checkpoints").exists()  # refused before anything ran
 
 
@@ -724,7 +717,7 @@ def test_soak_of_kills_at_random_moments_ends_bitwise_equal(tmp_path):
     assert final.returncode == 0, final.stderr[-3000:]
     assert "resumed from checkpoint step" in final.stdout, (final.stdout, log)
 
-    _, a, step_a = train.restore(tmp_path / "straight")
-    _, b, step_b = train.restore(workdir)
+    _, a, step_a = loop.restore(tmp_path / "straight")
+    _, b, step_b = loop.restore(workdir)
     assert step_a == step_b == steps
     _assert_bitwise_equal(b, a, f"after {log}:")

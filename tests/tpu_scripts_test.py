@@ -18,6 +18,7 @@ import textwrap
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+
 TPU = ROOT / "tpu"
 BASH = shutil.which("bash")
 pytestmark = pytest.mark.skipif(BASH is None, reason="bash is not installed: tpu/*.sh need it")
@@ -160,7 +161,12 @@ def test_setup_copies_the_checkout_and_installs_on_all_workers(tmp_path):
     assert scp == GCLOUD + ["scp", tarball, "rag-1:rag_jax.tar.gz", "--worker=all", "--zone=z-a"]
     assert tarball.endswith("/rag_jax.tar.gz") and not pathlib.Path(tarball).exists()  # cleaned
     members = set(run_script.records[0]["tar_members"])
-    for path in ("setup.py", "rag_jax/index.py", "tpu/worker_setup.sh", "tpu/worker_run.sh"):
+    for path in (
+        "setup.py",
+        "rag_jax/retrieval/index.py",
+        "tpu/worker_setup.sh",
+        "tpu/worker_run.sh",
+    ):
         assert path in members, path
     assert not any(m.startswith(".git/") for m in members)
 

@@ -36,15 +36,13 @@ tuned here (7,000 steps of 128 is about 10 epochs of the 87,925 training questio
 import os
 import pathlib
 
-import ml_collections
+from rag_jax import settings
 
 
 def get_config():
-    config = ml_collections.ConfigDict()
-    config.seed = 0  # the one seed: init, dropout and batches all derive from it
+    config = settings.defaults()  # what is not set here: rag_jax/settings.py
 
-    config.data = ml_collections.ConfigDict()
-    config.data.source = "tfds"  # synthetic | files | tfds
+    config.data.source = "tfds"
     config.data.tfds_name = "natural_questions_open"
     config.data.train_split = "train"
     config.data.eval_split = "validation"  # NQ-open test: the original NQ dev split
@@ -53,15 +51,10 @@ def get_config():
         "TFDS_DATA_DIR", str(pathlib.Path.home() / "tensorflow_datasets")
     )
     config.data.corpus_path = "/data/psgs_w100.tsv"  # read only when retrieval.index_dir is ""
-    config.data.max_train = 0  # use the first N training questions; 0 = all
-    config.data.max_eval = 0  # use the first N evaluation questions; 0 = all
-    config.data.question_length = 64  # Q: question-encoder tokens per question
-    config.data.answer_length = 32  # T: label tokens (decoder start, BOS, answer, EOS, pads)
-    config.data.answer_pad_multiple = 8  # a batch's labels: its longest, in steps of 8
-    config.data.target = "first"  # which answer to train on: first | sample
+    config.data.question_length = 64
+    config.data.answer_length = 32
 
-    config.model = ml_collections.ConfigDict()
-    config.model.init = "pretrained"  # random | pretrained | hf_rag (see rag_jax/experiment.py)
+    config.model.init = "pretrained"
     # DPR trained on the union of NQ, TQA, WQ and CT ("multiset"), and BART-large, as in the
     # paper. `init = "hf_rag"` with `rag_path = "facebook/rag-sequence-base"` starts from the same
     # three checkpoints bundled by HF.
@@ -72,74 +65,39 @@ def get_config():
     config.model.remat = True  # rematerialise layers: BART-large over B * N contexts of 300
     config.model.deterministic = False  # BART-large's dropout 0.1 on, as in fine-tuning
 
-    config.warm_start = ml_collections.ConfigDict()
-    config.warm_start.method = "none"  # ict | none (DPR is already a trained retriever)
+    config.warm_start.method = "none"  # DPR is already a trained retriever
     config.warm_start.steps = 0
-    config.warm_start.batch_size = 64
-    config.warm_start.learning_rate = 3e-3
-    config.warm_start.keep_prob = 0.1
-    config.warm_start.cache_dir = ""  # where a warm start is cached ("" = the workdir)
+    config.warm_start.reader_steps = 0
 
-    config.rag = ml_collections.ConfigDict()
-    config.rag.variant = "sequence"  # sequence | token
-    config.rag.n_docs = 5  # N: k = 5 passages per question in training, as in the paper
-    config.rag.max_combined_length = 300  # S: HF RagConfig's default context length
+    config.rag.n_docs = 5  # k = 5 passages per question in training, as in the paper
+    config.rag.max_combined_length = 300  # HF RagConfig's default context length
     # Batches padded to their longest context in steps of 128 (TPU lane width), not to 300.
     config.rag.context_pad_multiple = 128
     config.rag.label_smoothing = 0.1
-    config.rag.exclude_bos_score = False
-    config.rag.closed_book = False  # no retrieval: the question alone (needs n_docs=1)
 
-    config.retrieval = ml_collections.ConfigDict()
     # The 21M-passage psgs_w100 store, vectors and index of `experiments/build_index.py` (see
     # above); checked against passage_encoder_path's weights and the corpus on load.
     config.retrieval.index_dir = "/data/wiki_index"
-    config.retrieval.index = "scann"  # exact | scann (used only when index_dir is "")
-    # With the device index, the train step also searches for the next batch (no host round trip)
-    config.retrieval.search_in_step = True
+    config.retrieval.index = "scann"  # used only when index_dir is ""
     config.retrieval.passage_max_length = 256  # passage-encoder tokens (build_index's default)
-    config.retrieval.passage_format = "pair"  # DPR: title [SEP] text
     config.retrieval.encode_batch_size = 512
-    # The passage encoder stays frozen, so its vectors never need re-encoding.
-    config.retrieval.refresh_every = 0  # re-encode + re-index every k steps; 0 = never
-    config.retrieval.refresh_lag = 0  # steps until a refreshed index serves (0 = k // 2)
 
     # Optimisation as in the authors' released fine-tuning script (transformers'
     # examples/research_projects/rag/finetune_rag.sh): AdamW at 3e-5 with polynomial decay,
     # 500 warmup steps, weight decay 0.001, clipping at 0.1, label smoothing 0.1.
-    config.train = ml_collections.ConfigDict()
     config.train.steps = 7_000  # about 10 epochs of 87,925 questions
     config.train.batch_size = 128  # global batch over a TPU pod slice; divisible by its chips
-    config.train.num_devices = 0  # data-parallel devices; 0 = all
-    config.train.optimizer = "adamw"  # adamw | sgd (momentum adam_b1)
     config.train.learning_rate = 3e-5
     config.train.warmup_steps = 500
-    config.train.decay = "polynomial"  # linear | polynomial | constant
-    config.train.decay_power = 1.0  # for polynomial decay
-    config.train.end_lr_factor = 0.0  # final learning rate = learning_rate * this
+    config.train.decay = "polynomial"
     config.train.retriever_lr_factor = 1.0  # question encoder at the generator's rate
-    config.train.retriever_delay_steps = 0  # both halves train from the first step, as in the paper
     config.train.weight_decay = 0.001
-    config.train.no_decay = r"(bias|scale|ln|final_logits_bias)"  # paths without weight decay
-    config.train.adam_b1 = 0.9
-    config.train.adam_b2 = 0.999
-    config.train.adam_eps = 1e-8
-    config.train.grad_clip = 0.1  # global-norm clip; 0 = none
-    config.train.grad_accum = 1  # optimizer step every k batches
-    # Frozen: the passage encoder (the paper keeps the 21M-passage index fixed) and BART's
-    # final_logits_bias (a buffer in the reference).
-    config.train.freeze = r"^(passage_encoder/|generator/final_logits_bias)"
+    config.train.grad_clip = 0.1
     config.train.log_every = 50
     config.train.save_every = 1000
     config.train.keep_checkpoints = 3
-    config.train.checkpoint_dir = ""  # gs://bucket/run: one place all hosts of a slice see
 
-    config.eval = ml_collections.ConfigDict()
-    config.eval.every = 0  # also every k steps (eval/* in metrics.jsonl); 0 = before/after
-    config.eval.enabled = True  # evaluate before and after training
     config.eval.batch_size = 128
-    config.eval.max_examples = 0  # 0 = the whole evaluation split
     config.eval.num_beams = 1  # greedy: the paper found beam search no better for QA
     config.eval.max_length = 32
-    config.eval.sequence_decoding = "thorough"  # thorough | fast (RAG-Sequence, beams > 1)
     return config

@@ -1,0 +1,192 @@
+"""The feedback-loop experiment: does the answer loss teach the retriever what the generator needs?
+
+Same seed, same world, same step budget for every row, all evaluated on held-out entities:
+  1. closed_book       the generator alone, no retrieval (parametric memory only);
+  2. frozen_<variant>  inverse-cloze retriever, then frozen; the generator trains (bolt-on RAG);
+  3. joint_<variant>   the question encoder trains through the RAG marginal likelihood (the
+                       passage encoder frozen: the paper's setting);
+  4. joint_refresh     the passage encoder trains too, the index re-encoded every k steps.
+Rows 2-3 run for RAG-Sequence and RAG-Token. No row uses gold passage ids in training.
+
+Then the hot-swap test for rows 2-4: a sample of held-out facts get new answers in the corpus, the
+index is rebuilt from the edited corpus with the trained passage encoder, no parameter changes,
+and EM is measured against the new answers on the edited facts and against the old ones on the
+rest. `experiments/feedback_loop.py` is the command line.
+"""
+
+import json
+import pathlib
+import time
+
+import ml_collections
+
+from rag_jax import evaluation, experiment, settings, synthetic
+from rag_jax.retrieval import files
+from rag_jax.retrieval.corpus import Passage
+from rag_jax.training import loop
+
+FREEZE_RETRIEVER = r"^(passage_encoder/|question_encoder/|generator/final_logits_bias)"
+FREEZE_GENERATOR_BIAS = r"^(generator/final_logits_bias)"
+
+COLUMNS = ("gold_recall@1", "gold_recall@5", "answer_recall@5", "exact_match", "f1")
+
+
+def rows(quick: bool, refresh_every: int) -> dict[str, dict]:
+    """Row name -> config overrides (dotted keys); `quick`: rows 1-3, RAG-Sequence only."""
+    out = {
+        "closed_book": {
+            "rag.closed_book": True,
+            "rag.n_docs": 1,
+            "train.freeze": FREEZE_RETRIEVER,
+            "warm_start.method": "none",
+        },
+    }
+    variants = ("sequence",) if quick else ("sequence", "token")
+    for variant in variants:
+        out[f"frozen_{variant}"] = {"rag.variant": variant, "train.freeze": FREEZE_RETRIEVER}
+        out[f"joint_{variant}"] = {"rag.variant": variant}
+    if not quick:
+        out["joint_refresh"] = {
+            "train.freeze": FREEZE_GENERATOR_BIAS,
+            "retrieval.refresh_every": refresh_every,
+        }
+    return out
+
+
+def row_config(base: ml_collections.ConfigDict, overrides: dict, cache_dir: str):
+    """`base` with a row's overrides; every row shares the warm start cached in `cache_dir`."""
+    config = settings.override(ml_collections.ConfigDict(base.to_dict()), overrides)
+    config.warm_start.cache_dir = cache_dir  # rows share one warm start
+    return config
+
+
+def curves(workdir: pathlib.Path) -> list[dict]:
+    """The eval/* lines of a run's metrics.jsonl, one per evaluated step (latest wins)."""
+    by_step = {}
+    with open(workdir / "metrics.jsonl", encoding="utf-8") as f:
+        for line in f:
+            record = json.loads(line)
+            values = {k[5:]: v for k, v in record.items() if k.startswith("eval/")}
+            if values:
+                by_step[record["step"]] = values
+    return [{"step": step, **values} for step, values in sorted(by_step.items())]
+
+
+def hot_swap(workdir: pathlib.Path, fraction: float, seed: int) -> dict:
+    """EM on edited held-out facts (new answers) vs unedited ones, after re-indexing only."""
+    exp, state, _ = loop.restore(workdir)
+    world, edited = synthetic.edit_facts(exp.world, fraction, seed, split="eval")
+    store = experiment.build_store(
+        [Passage(p.id, p.title, p.text) for p in world.passages],
+        exp.generator_tokenizer,
+        workdir / "hot_swap_passages",
+        exp.rag_cfg,
+    )
+    vectors = experiment.encode_store(
+        store, exp.passage_cfg, state.params["passage_encoder"], exp.question_tokenizer, exp.config
+    )
+    exp.retriever = exp.retriever.swap(
+        experiment.make_index(vectors, exp.config.retrieval.index), store, vectors
+    )
+    examples = experiment.examples_from_world(world, "eval")
+    edited_ids = {f"{f.entity.replace(' ', '_')}:{f.relation}" for f in edited}
+    mesh = loop.device_mesh(exp.config)
+    out = {"edited_facts": len(edited_ids)}
+    for name, subset in (
+        ("edited", [e for e in examples if e.id in edited_ids]),
+        ("unedited", [e for e in examples if e.id not in edited_ids]),
+    ):
+        m, _ = evaluation.evaluate(
+            exp, state.params, subset, mesh=mesh, variant=exp.config.rag.variant
+        )
+        out[f"em_{name}"] = m["exact_match"]
+        out[f"gold_recall@5_{name}"] = m.get("gold_recall@5", float("nan"))
+    out["em_ratio"] = out["em_edited"] / out["em_unedited"] if out["em_unedited"] else float("nan")
+    return out
+
+
+def plot(results: dict, path: pathlib.Path) -> None:
+    """Held-out gold recall@5 and EM against the training step, one line per row (rows 2-4)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for name, row in results["rows"].items():
+        if name == "closed_book":
+            continue
+        steps = [c["step"] for c in row["curve"]]
+        for ax, key in zip(axes, ("gold_recall@5", "exact_match")):
+            ax.plot(steps, [c.get(key, float("nan")) for c in row["curve"]], marker=".", label=name)
+    for ax, title in zip(axes, ("held-out gold-passage recall@5", "held-out exact match")):
+        ax.set_title(title)
+        ax.set_xlabel("training step")
+        ax.set_ylim(0, 1)
+        ax.grid(alpha=0.3)
+    axes[0].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def table(results: dict) -> str:
+    """The final held-out metrics and the hot-swap EMs of every row, as a Markdown table."""
+    lines = [
+        "| row | " + " | ".join(COLUMNS) + " | hot-swap EM edited / unedited |",
+        "|---" * (len(COLUMNS) + 2) + "|",
+    ]
+    for name, row in results["rows"].items():
+        cells = [f"{row['final'][k]:.3f}" if k in row["final"] else "-" for k in COLUMNS]
+        swap = row.get("hot_swap")
+        swap_cell = f"{swap['em_edited']:.3f} / {swap['em_unedited']:.3f}" if swap else "-"
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {swap_cell} |")
+    return "\n".join(lines)
+
+
+def run(
+    base: ml_collections.ConfigDict,
+    out: pathlib.Path,
+    selected: dict[str, dict],
+    *,
+    hot_swap_fraction: float,
+    quick: bool = False,
+    make_plot: bool = True,
+) -> dict:
+    """Trains and evaluates every row of `selected` (see `rows`) into `out/<row>`.
+
+    Rows already in `out/results.json` are kept, so an interrupted experiment resumes where it
+    stopped. Writes `out/results.json` after every row and `out/curves.png` at the end.
+
+    Returns:
+      {"config", "quick", "rows": {row: {"overrides", "final", "curve", "seconds",
+      "hot_swap"}}, "seconds"}.
+    """
+    out = pathlib.Path(out).absolute()
+    out.mkdir(parents=True, exist_ok=True)
+    results = {"config": base.to_dict(), "quick": quick, "rows": {}}
+    previous = out / "results.json"
+    if previous.is_file():  # rows run earlier into the same folder are kept
+        results["rows"] = json.loads(previous.read_text()).get("rows", {})
+    start = time.perf_counter()
+    for name, overrides in selected.items():
+        print(f"\n== {name} ==", flush=True)
+        t0 = time.perf_counter()
+        config = row_config(base, overrides, str(out / "cache"))
+        summary = loop.train_and_evaluate(config, out / name)
+        row = {
+            "overrides": overrides,
+            "final": summary["eval"],
+            "curve": curves(out / name),
+            "seconds": round(time.perf_counter() - t0, 1),
+        }
+        if name != "closed_book":
+            row["hot_swap"] = hot_swap(out / name, hot_swap_fraction, base.seed)
+        results["rows"][name] = row
+        print(json.dumps({name: {"final": row["final"], "hot_swap": row.get("hot_swap")}}))
+        files.write_atomic(previous, json.dumps(results, indent=1, sort_keys=True).encode())
+    results["seconds"] = round(time.perf_counter() - start, 1)
+    files.write_atomic(previous, json.dumps(results, indent=1, sort_keys=True).encode())
+    if make_plot:
+        plot(results, out / "curves.png")
+    return results

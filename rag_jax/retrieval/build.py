@@ -1,0 +1,135 @@
+"""Corpus file -> passage store, passage vectors and index: the offline pipeline behind
+`experiments/build_index.py`, every step resumable and checked against what it was built from.
+
+Legend: C corpus size (passages), D embedding width.
+"""
+
+import pathlib
+import shutil
+
+from rag_jax import hf
+from rag_jax.retrieval import corpus, index
+from rag_jax.retrieval.encode import DEFAULT_MAX_LENGTH, encode_corpus
+from rag_jax.retrieval.store import PassageStore
+from rag_jax.retrieval.vectors import load_vectors
+
+
+def _open_or_build_store(corpus_path, tokenizer, store_dir: pathlib.Path, fields, overwrite):
+    """The passage store of `corpus_path` in `store_dir`, reused when it matches the file."""
+    if (store_dir / "manifest.json").is_file():
+        store = PassageStore.open(store_dir)
+        checksum = corpus.corpus_checksum(corpus.read_passages(corpus_path, fields))
+        stale = store.differences(checksum, tokenizer)
+        if not stale:
+            return store
+        if not overwrite:
+            raise ValueError(
+                f"{store_dir} was built from another corpus or tokenizer (differs: {stale}); "
+                "pass overwrite=True to rebuild it"
+            )
+    if store_dir.exists():
+        # No manifest: a build that was interrupted (or one being replaced); start it again.
+        shutil.rmtree(store_dir)
+    return PassageStore.build(corpus.read_passages(corpus_path, fields), tokenizer, store_dir)
+
+
+def load_passage_encoder(path, compute_dtype: str = "float32"):
+    """(BertConfig, params) of a DPR context encoder or a plain BERT checkpoint directory."""
+    path = hf.resolve(path)
+    config = hf.read_config(path)
+    if config.get("model_type") == "dpr":
+        if "DPRQuestionEncoder" in (config.get("architectures") or []):
+            raise ValueError(
+                f"{path} is a DPR question encoder; passages need the context encoder "
+                "(DPRContextEncoder)"
+            )
+        return hf.load_dpr(path, dtype=compute_dtype)
+    if config.get("model_type") == "bert":
+        return hf.load_bert(path, dtype=compute_dtype)
+    raise ValueError(
+        f"{path / 'config.json'}: model_type {config.get('model_type')!r}; expected 'dpr' (a "
+        "DPR context encoder) or 'bert'"
+    )
+
+
+def build_index(
+    corpus_path,
+    encoder_path,
+    generator_tokenizer_path,
+    out_dir,
+    *,
+    kind: str = "exact",
+    encoder_tokenizer_path=None,
+    fields: dict | None = None,
+    max_length: int = DEFAULT_MAX_LENGTH,
+    input_format: str = "pair",
+    batch_size: int = 128,
+    shard_size: int = 100_000,
+    dtype: str = "float32",
+    compute_dtype: str = "float32",
+    overwrite: bool = False,
+    progress: bool = True,
+) -> dict:
+    """Corpus file -> `out_dir/passages` (store), `out_dir/vectors`, `out_dir/index`.
+
+    Every stage resumes: a store that matches the corpus file and generator tokenizer is reused,
+    encoding continues from its last finished shard, and the index is rebuilt from the vectors.
+
+    Args:
+      corpus_path: passages as DPR TSV or JSONL (see `rag_jax.corpus.read_passages`).
+      encoder_path: DPR context encoder or BERT checkpoint directory (or hub id).
+      generator_tokenizer_path: the generator's tokenizer, for the passage store's tokens.
+      out_dir: output directory.
+      kind: "exact" (`ExactIndex`) or "scann" (`ScannIndex`, defaults from the corpus size).
+      encoder_tokenizer_path: the encoder's tokenizer when not saved beside its weights.
+      fields: column/key names of the corpus file where they differ from id/title/text.
+      max_length, input_format, batch_size, shard_size, dtype: see `encode_corpus`.
+      compute_dtype: the encoder's compute dtype, float32 or bfloat16.
+      overwrite: replace a store or vectors of another corpus/encoder instead of refusing.
+      progress: show the encoding progress bar.
+
+    Returns:
+      {"passages", "vectors", "index": paths; "count": C, "dim": D, "encoder_fingerprint",
+       "corpus_checksum"}.
+    """
+    if kind not in ("exact", "scann"):
+        raise ValueError(f"kind must be 'exact' or 'scann', got {kind!r}")
+    out_dir = pathlib.Path(out_dir)
+    generator_tokenizer = hf.load_tokenizer(generator_tokenizer_path)
+    store = _open_or_build_store(
+        corpus_path, generator_tokenizer, out_dir / "passages", fields, overwrite
+    )
+    cfg, params = load_passage_encoder(encoder_path, compute_dtype)
+    tokenizer = hf.load_tokenizer(encoder_tokenizer_path or encoder_path)
+    manifest = encode_corpus(
+        store,
+        cfg,
+        params,
+        tokenizer,
+        out_dir / "vectors",
+        max_length=max_length,
+        input_format=input_format,
+        batch_size=batch_size,
+        shard_size=shard_size,
+        dtype=dtype,
+        overwrite=overwrite,
+        progress=progress,
+    )
+    provenance = {
+        "encoder_fingerprint": manifest["encoder_fingerprint"],
+        "corpus_checksum": store.checksum,
+    }
+    vectors = load_vectors(out_dir / "vectors", expect=provenance)
+    if kind == "exact":
+        ix = index.ExactIndex(vectors, **provenance)
+    else:
+        ix = index.ScannIndex.build(vectors, **provenance)
+    ix.save(str(out_dir / "index"))
+    return {
+        "passages": str(out_dir / "passages"),
+        "vectors": str(out_dir / "vectors"),
+        "index": str(out_dir / "index"),
+        "count": len(store),
+        "dim": manifest["dim"],
+        **provenance,
+    }

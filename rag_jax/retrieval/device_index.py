@@ -1,0 +1,250 @@
+"""`DeviceIndex`: passage vectors sharded over a mesh axis, searched inside XLA programs.
+
+Legend: B batch of queries, C corpus size (C' padded to the devices), D embedding width, k
+neighbours per query, n devices on the axis.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from rag_jax.retrieval.index import (
+    Index,
+    check_query_shape,
+    check_vectors,
+    load_vectors,
+    provenance,
+    save_vectors,
+)
+
+
+def _device_search(vectors, queries, *, count, k, mesh, axis, recall_target, precision, block_rows):
+    """Top-k over `vectors` [C', D] sharded on `axis` (C' = C padded), `queries` [B, D] replicated.
+
+    Each shard is scored `block_rows` rows at a time with a running top-k, so the temporaries are
+    [B, block_rows] scores and one float32 block rather than [B, C' / n] scores. (XLA's CPU
+    backend, which has no bfloat16 matmul, still converts a bfloat16 shard to float32 whole.)
+
+    Returns (scores [B, k] float32, ids [B, k] int32), replicated.
+    """
+    shard_rows = vectors.shape[0] // mesh.shape[axis]
+    local_k = min(k, shard_rows)
+    block = min(max(block_rows, k), shard_rows)  # every block but the last yields local_k rows
+    full, rest = divmod(shard_rows, block)
+
+    def per_shard(shard, queries):  # shard: [C' / n, D], queries: [B, D]
+        queries = queries.astype(jnp.float32)
+        start = jax.lax.axis_index(axis) * shard_rows
+
+        def block_top(first, rows):  # rows [R, D] of the shard, from its row `first`
+            scores = jnp.einsum(
+                "bd,cd->bc", queries, rows.astype(jnp.float32), precision=precision
+            )  # -> [B, R]
+            ids = start + first + jnp.arange(rows.shape[0], dtype=jnp.int32)
+            scores = jnp.where(ids < count, scores, -jnp.inf)  # padding rows never win
+            top = min(local_k, rows.shape[0])
+            if recall_target is None:
+                scores, pos = jax.lax.top_k(scores, top)  # -> [B, top]
+            else:
+                scores, pos = jax.lax.approx_max_k(scores, top, recall_target=recall_target)
+            return scores, ids[pos]
+
+        def merge(best, new):
+            # The running best (lower ids) comes first and top_k keeps the lower position among
+            # ties, so ties resolve to the lower id, as in ExactIndex.
+            scores = jnp.concatenate([best[0], new[0]], axis=1)
+            ids = jnp.concatenate([best[1], new[1]], axis=1)
+            scores, pos = jax.lax.top_k(scores, local_k)
+            return scores, jnp.take_along_axis(ids, pos, axis=1)
+
+        def body(i, best):
+            first = i * block
+            return merge(best, block_top(first, jax.lax.dynamic_slice_in_dim(shard, first, block)))
+
+        best = block_top(0, shard[:block])
+        best = jax.lax.fori_loop(1, full, body, best) if full > 1 else best
+        if rest:
+            best = merge(best, block_top(full * block, shard[full * block :]))
+        # Shards are gathered in id order and top_k keeps the lower position among ties.
+        gather = lambda x: jax.lax.all_gather(x, axis, axis=1, tiled=True, to="invarying")
+        scores, ids = gather(best[0]), gather(best[1])  # -> [B, n * local_k]
+        scores, pos = jax.lax.top_k(scores, k)  # -> [B, k]
+        return scores, jnp.take_along_axis(ids, pos, axis=1)
+
+    specs = {"in_specs": (P(axis, None), P()), "out_specs": (P(), P())}
+    return jax.shard_map(per_shard, mesh=mesh, **specs)(vectors, queries)
+
+
+_STATIC = ("count", "k", "mesh", "axis", "recall_target", "precision", "block_rows")
+_device_search_jit = jax.jit(_device_search, static_argnames=_STATIC)
+
+
+@jax.tree_util.register_pytree_node_class
+class DeviceIndex(Index):
+    """Passage vectors sharded over a mesh axis; search is part of the XLA program.
+
+    Each device holds C'/n rows (C' = C rounded up to a multiple of the n devices on `axis`; the
+    padding rows are masked to -inf by id, so they never win). Queries are replicated: every device
+    scores the whole batch against its shard, `block_rows` rows at a time, keeps its k best
+    (`lax.approx_max_k`, the TPU-KNN partial reduction, on TPU; `lax.top_k` elsewhere; merged
+    block by block), and the n * k candidates are all-gathered and merged with `lax.top_k`. A
+    batch sharded over the same axis in the caller is gathered by `shard_map` on entry; that is
+    B x D, small next to a shard.
+
+    `search` takes numpy (host protocol: int64 ids, argument checks, numpy out) or jax arrays,
+    tracers included (returns jax arrays, int32 ids), so it works inside `jax.jit`. The index is a
+    pytree whose only leaf is the sharded vectors: pass it as an argument of a jitted function
+    rather than closing over it, so the vectors are not baked into the program as a constant and a
+    same-shaped replacement index reuses the compilation.
+
+    On CPU (float32 matmuls, exact top-k) results equal `ExactIndex`, ties included. On TPU the
+    DEFAULT matmul precision is bfloat16 and approx_max_k misses some neighbours (recall_target);
+    pass `precision=jax.lax.Precision.HIGHEST` for float32 scores.
+
+    Multi-host: the mesh may span every device of every process (`sharding.data_mesh()` after
+    `sharding.maybe_initialize_distributed()`), so a corpus too large for one host's
+    accelerators is split over the whole pod. Every process constructs the index with the same
+    `vectors` (a `np.memmap` of the vectors file keeps the corpus out of host memory: each
+    process copies only the rows of its own devices' shards) and the same mesh, and every search
+    is one collective program that all processes run together: in a jitted step, pass the global
+    question batch (e.g. sharded over `data`); with numpy queries, every process must pass the
+    same queries (checked) and gets the same results.
+    """
+
+    kind = "exact"  # on disk it is an exact index: the same vectors file and manifest
+    _AUX = ("count", "dim", "mesh", "axis", "recall_target", "precision", "block_rows")
+    _AUX += ("encoder_fingerprint", "corpus_checksum")
+
+    def __init__(
+        self,
+        vectors,
+        mesh: jax.sharding.Mesh,
+        axis: str = "data",
+        *,
+        recall_target: float | None = None,
+        precision=None,
+        block_rows: int = 65536,
+        encoder_fingerprint: str | None = None,
+        corpus_checksum: str | None = None,
+    ):
+        """Args:
+        vectors: [C, D] passage vectors on the host (see `check_vectors`); storage dtype kept.
+          On several processes each process passes the same vectors and places only the rows of
+          its own devices.
+        mesh: device mesh, possibly spanning processes; vectors are sharded over `axis`,
+          replicated over the others.
+        axis: mesh axis to shard the corpus over.
+        recall_target: per-shard `lax.approx_max_k` recall target. None: 0.95 on TPU, and an
+          exact `lax.top_k` elsewhere, where approx_max_k is also exact but leaves the order of
+          equal scores unspecified.
+        precision: `jax.lax.Precision` of the score matmul.
+        block_rows: rows of a shard scored at once (at least k): bounds the search's temporary
+          memory per device to about `B * block_rows` scores plus `block_rows * D` float32.
+        encoder_fingerprint: provenance string written to the manifest.
+        corpus_checksum: provenance string written to the manifest.
+        """
+        vectors = check_vectors(vectors)
+        if axis not in mesh.shape:
+            raise ValueError(f"mesh has axes {tuple(mesh.shape)}, not {axis!r}")
+        count, dim = vectors.shape
+        padded = -(-count // mesh.shape[axis]) * mesh.shape[axis]
+
+        def rows(index):  # One device's shard: rows [start, stop) of the padded [C', D].
+            start, stop, _ = index[0].indices(padded)
+            shard = vectors[min(start, count) : min(stop, count)]
+            pad = np.zeros((stop - start - len(shard), dim), vectors.dtype)
+            return np.concatenate([shard, pad]) if len(pad) else shard
+
+        # Built from each device's rows (not `device_put` of the whole array) so that no padded
+        # copy of the corpus is made and, on a pod, each process copies only its own shards.
+        self.vectors = jax.make_array_from_callback(
+            (padded, dim), NamedSharding(mesh, P(axis, None)), rows
+        )  # -> [C', D]
+        self.count, self.dim, self.mesh, self.axis = count, dim, mesh, axis
+        if recall_target is None and mesh.devices.flat[0].platform == "tpu":
+            recall_target = 0.95
+        self.recall_target = None if recall_target is None else float(recall_target)
+        self.precision = precision
+        if int(block_rows) < 1:
+            raise ValueError(f"block_rows must be >= 1, got {block_rows}")
+        self.block_rows = int(block_rows)
+        self.encoder_fingerprint = encoder_fingerprint
+        self.corpus_checksum = corpus_checksum
+
+    def tree_flatten(self):
+        return (self.vectors,), tuple(getattr(self, name) for name in self._AUX)
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        index = object.__new__(cls)  # leaves may be tracers: no checks, no device_put
+        index.vectors = children[0]
+        for name, value in zip(cls._AUX, aux):
+            setattr(index, name, value)
+        return index
+
+    @property
+    def nbytes(self) -> int:
+        return self.vectors.nbytes
+
+    def search(self, queries, k: int):
+        """Top-k by inner product, on the devices.
+
+        Args:
+          queries: [B, D]: a numpy array (host call) or a jax array / tracer (in-graph call).
+          k: neighbours per query, 1 <= k <= C (static).
+
+        Returns:
+          (scores [B, k] float32, ids [B, k]): numpy with int64 ids for numpy queries; jax arrays
+          with int32 ids, replicated over the mesh, for jax queries. Lower id first on ties.
+        """
+        k = self._check_k(k)
+        if not isinstance(queries, jax.Array):
+            queries = self._check_queries(queries)
+            if not self.vectors.is_fully_addressable:
+                # Replicated placement assumes equal values everywhere; a process with other
+                # queries would silently get answers to some other process's questions.
+                multihost_utils.assert_equal(
+                    queries,
+                    "DeviceIndex.search with numpy queries on several processes needs "
+                    "the same queries on every process",
+                )
+            queries = jax.device_put(queries, NamedSharding(self.mesh, P()))
+            scores, ids = self.search(queries, k)
+            return np.asarray(scores), np.asarray(ids).astype(np.int64)
+        check_query_shape(queries.shape, self.count, self.dim)
+        static = {name: getattr(self, name) for name in _STATIC if name != "k"}
+        return _device_search_jit(self.vectors, queries, k=k, **static)
+
+    def save(self, directory: str) -> None:
+        """Writes the unpadded vectors as an exact index (readable by `ExactIndex.load` too).
+
+        The vectors are fetched to the host. On several processes every process must call this
+        (the shards are gathered from all of them) and process 0 alone writes, so `directory`
+        should be storage that the processes share.
+        """
+        if self.vectors.is_fully_addressable:
+            vectors = np.asarray(jax.device_get(self.vectors))
+        else:
+            vectors = multihost_utils.process_allgather(self.vectors, tiled=True)
+        if jax.process_index() == 0:
+            save_vectors(self, vectors[: self.count], directory)
+
+    @classmethod
+    def load(
+        cls,
+        directory: str,
+        mesh: jax.sharding.Mesh,
+        axis: str = "data",
+        expect: dict | None = None,
+        *,
+        verify: bool = True,
+        **kwargs,
+    ) -> DeviceIndex:
+        """Reads an exact index folder onto `mesh`; see `ExactIndex.load` for the arguments."""
+        manifest, vectors = load_vectors(directory, expect, verify, kinds=("exact",))
+        return cls(vectors, mesh, axis, **provenance(manifest), **kwargs)

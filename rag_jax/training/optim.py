@@ -1,0 +1,129 @@
+"""The one optimizer builder: the trainer's, the warm starts' and the benchmarks'.
+
+AdamW (or SGD with momentum) with linear warmup and linear, polynomial or constant decay,
+global-norm clipping, weight decay chosen by parameter path, a learning-rate factor (and delay) for
+the retriever towers, and freezing. Freezing is a regex over parameter paths mapped to
+`optax.set_to_zero`, never a zero learning rate, which AdamW's weight decay would still move
+(big_vision's `optax.py`). Parameter paths are '/'-joined (`question_encoder/layer_0/...`).
+
+The settings are those of `config.train` (`rag_jax.settings`); `settings_for(...)` gives them for a
+loop that is not the trainer's (a warm start, a benchmark) from the defaults plus overrides.
+"""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import optax
+
+from rag_jax import settings
+
+# The towers a retriever learning-rate factor applies to.
+RETRIEVER_PATHS = r"^(question_encoder|passage_encoder)/"
+# BERT's fine-tuning recipe, the warm starts' optimizer: warmup over the first tenth of the steps,
+# linear decay to zero, decoupled weight decay 0.01 on matrices (every 1-d parameter of BERT and
+# BART is a bias or a LayerNorm scale) and clipping at global norm 1.
+WARMUP_FRACTION = 0.1
+WARM_START = dict(
+    decay="linear",
+    end_lr_factor=0.0,
+    weight_decay=0.01,
+    no_decay=r"(bias|scale)",
+    grad_clip=1.0,
+    freeze="",
+    retriever_lr_factor=1.0,
+    retriever_delay_steps=0,
+    grad_accum=1,
+    optimizer="adamw",
+    adam_b1=0.9,
+    adam_b2=0.999,
+    adam_eps=1e-8,
+)
+
+
+def settings_for(**changes) -> ml_collections.ConfigDict:
+    """`config.train` at its defaults (`rag_jax.settings`), with `changes` applied."""
+    tc = settings.defaults().train
+    for key, value in changes.items():
+        tc[key] = value
+    return tc
+
+
+def warm_start_settings(learning_rate: float, steps: int) -> ml_collections.ConfigDict:
+    """The warm starts' optimizer settings (`WARM_START`) for `steps` steps."""
+    warmup = max(1, round(steps * WARMUP_FRACTION))
+    return settings_for(learning_rate=learning_rate, steps=steps, warmup_steps=warmup, **WARM_START)
+
+
+def schedule(tc: ml_collections.ConfigDict) -> optax.Schedule:
+    """Linear warmup to `learning_rate`, then linear or polynomial decay to `end_learning_rate`."""
+    warmup = optax.linear_schedule(0.0, tc.learning_rate, max(tc.warmup_steps, 1))
+    decay_steps = max(tc.steps - tc.warmup_steps, 1)
+    end = tc.learning_rate * tc.end_lr_factor
+    if tc.decay == "linear":
+        decay = optax.linear_schedule(tc.learning_rate, end, decay_steps)
+    elif tc.decay == "polynomial":
+        decay = optax.polynomial_schedule(tc.learning_rate, end, tc.decay_power, decay_steps)
+    elif tc.decay == "constant":
+        decay = optax.constant_schedule(tc.learning_rate)
+    else:
+        raise ValueError(f"config.train.decay must be linear, polynomial or constant: {tc.decay!r}")
+    return optax.join_schedules([warmup, decay], [tc.warmup_steps])
+
+
+def path_labels(params, pattern: str, matched, other):
+    """A pytree of labels: `matched` where the '/'-joined parameter path matches `pattern`."""
+    regex = re.compile(pattern) if pattern else None
+
+    def label(path, _):
+        name = "/".join(str(getattr(p, "key", p)) for p in path)
+        return matched if regex is not None and regex.search(name) else other
+
+    return jax.tree_util.tree_map_with_path(label, params)
+
+
+def _labels(tc, params):
+    """ "frozen" (`tc.freeze`), "retriever" (the towers of `RETRIEVER_PATHS`) or "train"."""
+    labels = path_labels(params, tc.freeze, "frozen", "train")
+    towers = path_labels(params, RETRIEVER_PATHS, "q", "-")
+    return jax.tree.map(
+        lambda label, q: "retriever" if label == "train" and q == "q" else label, labels, towers
+    )
+
+
+def make_optimizer(tc: ml_collections.ConfigDict) -> optax.GradientTransformation:
+    """The optimizer `tc` (`config.train`, or `settings_for(...)`) describes; frozen parameters
+    get exactly zero updates. The masks are functions of the parameter tree, so one optimizer
+    serves any tree (the trainer's three towers, a warm start's one or two)."""
+    decayed = lambda params: path_labels(params, tc.no_decay, False, True)  # noqa: E731
+    if tc.optimizer == "adamw":
+        base = optax.adamw(
+            schedule(tc),
+            b1=tc.adam_b1,
+            b2=tc.adam_b2,
+            eps=tc.adam_eps,
+            weight_decay=tc.weight_decay,
+            mask=decayed,
+        )
+    elif tc.optimizer == "sgd":
+        base = optax.sgd(schedule(tc), momentum=tc.adam_b1)
+    else:
+        raise ValueError(f"config.train.optimizer must be adamw or sgd, got {tc.optimizer!r}")
+    tx = optax.chain(optax.clip_by_global_norm(tc.grad_clip), base) if tc.grad_clip else base
+    # The retriever towers (the question encoder, and the passage encoder when it trains) may
+    # learn more slowly than the generator, and may wait: until the generator reads its contexts,
+    # p(z|x,y) ~ p(z|x) and their gradient is mostly noise, which Adam turns into full-size steps
+    # that undo the warm start.
+    delay, factor = tc.retriever_delay_steps, tc.retriever_lr_factor
+    question_tx = optax.chain(
+        tx,
+        optax.scale_by_schedule(lambda step: jnp.where(step < delay, 0.0, factor)),
+    )
+    tx = optax.multi_transform(
+        {"train": tx, "retriever": question_tx, "frozen": optax.set_to_zero()},
+        lambda params: _labels(tc, params),
+    )
+    if tc.grad_accum > 1:
+        tx = optax.MultiSteps(tx, every_k_schedule=tc.grad_accum)
+    return tx

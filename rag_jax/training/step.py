@@ -1,0 +1,152 @@
+"""The one step builder, and the joint RAG train step made with it.
+
+`make_step(loss_fn, tx)` is every training loop's step: the joint trainer's, both warm starts'
+(`training.warm_start`) and the benchmarks'. It differentiates `loss_fn`, applies the optimizer
+(`training.optim.make_optimizer`) and returns the next `TrainState` with the step's metrics, as one
+jitted program with the state donated. `make_train_step` is the joint step: question encoder ->
+doc scores -> RAG marginal likelihood -> update, and with an in-step search, the next batch's
+passages found with the updated question encoder.
+
+Legend: B batch, N docs, S context length, T target length, Q question length, D width.
+"""
+
+from collections.abc import Callable
+from typing import Any
+
+import flax
+import jax
+import jax.numpy as jnp
+import optax
+
+from rag_jax import rag
+
+
+@flax.struct.dataclass
+class TrainState:
+    step: jax.Array  # [] int32: optimizer steps taken
+    params: Any  # the trainer's {"question_encoder", "generator", "passage_encoder"}
+    opt_state: Any
+    # [B, N] int32, replicated: the passages of batch `step`, found by the previous step's
+    # in-step search (`Retriever.search_in_step`); None when the search runs outside the step.
+    next_doc_ids: Any = None
+
+
+def init_state(params, tx: optax.GradientTransformation, next_doc_ids=None) -> TrainState:
+    """The state before the first step."""
+    return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params), next_doc_ids)
+
+
+def make_step(
+    loss_fn: Callable,
+    tx: optax.GradientTransformation,
+    *,
+    dropout_rng: jax.Array | None = None,
+    metrics_fn: Callable | None = None,
+    search_fn: Callable | None = None,
+):
+    """`step(state, batch, retrieval=None) -> (state, metrics)`, jitted, the state donated.
+
+    Args:
+      loss_fn: `(params, batch, rng) -> (loss [], aux)`; `rng` is None without `dropout_rng`.
+      tx: the optimizer.
+      dropout_rng: the run's dropout key; each step uses `fold_in(dropout_rng, state.step)`, so
+        a resumed run draws what an uninterrupted one does.
+      metrics_fn: `(loss, aux, grads) -> metrics`; default `{"loss": loss}`.
+      search_fn: `(params, retrieval) -> [B, N] ids`, run after the update with the new
+        parameters; its result becomes `state.next_doc_ids` (the in-step search).
+    """
+
+    def step(state: TrainState, batch, retrieval=None):
+        rng = None if dropout_rng is None else jax.random.fold_in(dropout_rng, state.step)
+        grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+        (loss, aux), grads = grad_fn(state.params, batch, rng)
+        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        metrics = {"loss": loss} if metrics_fn is None else metrics_fn(loss, aux, grads)
+        next_ids = state.next_doc_ids if search_fn is None else search_fn(params, retrieval)
+        return TrainState(state.step + 1, params, opt_state, next_ids), metrics
+
+    return jax.jit(step, donate_argnums=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# The joint RAG step
+
+
+def _entropy(scores: jax.Array) -> jax.Array:
+    """[B, N] doc scores -> [B] entropy of the doc posterior p(z|x), in nats."""
+    logp = jax.nn.log_softmax(scores, axis=-1)
+    return -jnp.sum(jnp.exp(logp) * logp, axis=-1)
+
+
+_PER_DOC_TOKENS = (
+    "context_input_ids",
+    "context_attention_mask",
+    "passage_input_ids",
+    "passage_attention_mask",
+)
+
+
+def rag_metrics(loss, aux, grads) -> dict:
+    """(sum, count) pairs of the joint step: NLL, doc entropy, gradient norms."""
+    del loss
+    weights = aux["weights"]
+    return {
+        "loss": (jnp.sum(aux["nll"] * weights), jnp.sum(weights)),
+        "doc_entropy": (jnp.sum(_entropy(aux["doc_scores"]) * weights), jnp.sum(weights)),
+        "grad_norm": (optax.tree.norm(grads), jnp.ones(())),
+        "question_grad_norm": (optax.tree.norm(grads["question_encoder"]), jnp.ones(())),
+    }
+
+
+def make_train_step(
+    rag_cfg: rag.RagConfig,
+    variant: str,
+    tx,
+    dropout_rng,
+    deterministic: bool,
+    passage_cfg=None,
+    search_n_docs: int = 0,
+):
+    """The joint step `train_step(state, batch, retrieval=None) -> (state, metrics)`.
+
+    `passage_cfg` is needed when batches carry passage tokens (a trainable passage encoder).
+
+    With `search_n_docs` = N > 0 the step also retrieves for the next batch: `retrieval` is
+    `(index, next_questions)`, a `DeviceIndex` on the step's mesh and the next batch's
+    question-encoder inputs (`question_tokens`, batch-sharded). After the update it embeds them
+    with the *updated* question encoder (the one the next step trains) and searches the index, so
+    the next batch's passages are the same as a search between the steps would find, without a
+    host round trip; they are returned in `state.next_doc_ids`.
+    """
+
+    def loss_fn(params, batch, rng):
+        # Token leaves travel as [B, N, L] so every leaf shards over B; the loss takes [B * N, L].
+        flat = dict(batch)
+        for key in _PER_DOC_TOKENS:
+            if key in batch:
+                flat[key] = batch[key].reshape(-1, batch[key].shape[-1])  # -> [B * N, L]
+        return rag.loss_fn(rag_cfg, params, flat, variant, rng, passage_cfg)
+
+    search_fn = None
+    if search_n_docs:
+
+        def search_fn(params, retrieval):
+            index, next_questions = retrieval
+            return search_ids(rag_cfg, params, index, next_questions, search_n_docs)
+
+    return make_step(
+        loss_fn,
+        tx,
+        dropout_rng=None if deterministic else dropout_rng,
+        metrics_fn=rag_metrics,
+        search_fn=search_fn,
+    )
+
+
+def search_ids(rag_cfg: rag.RagConfig, params, index, questions, n_docs: int) -> jax.Array:
+    """[B, N] int32 passage rows for `questions` (`question_tokens`) from a `DeviceIndex`."""
+    vectors = rag.question_embeddings(
+        rag_cfg, params, questions["question_input_ids"], questions["question_attention_mask"]
+    )  # -> [B, D]
+    return index.search(vectors, n_docs)[1]
