@@ -58,7 +58,8 @@ from transformers.models.rag import retrieval_rag
 from benchmarks import common
 from benchmarks import floor as step_floor
 from benchmarks import train_step as ts
-from rag_jax import experiment, hf, rag
+from rag_jax import hf, rag
+from rag_jax.retrieval.build import workdir_store
 from rag_jax.retrieval.corpus import Passage
 from rag_jax.retrieval.index import ExactIndex
 from rag_jax.retrieval.retriever import Retriever
@@ -141,8 +142,9 @@ class Ours:
 
     def __init__(self, cfg, params, store, vectors, g_tok):
         self.cfg, self.store, self.g_tok = cfg, store, g_tok
+        index = ExactIndex(vectors, corpus_checksum=store.checksum)
         self.retriever = Retriever(
-            ExactIndex(vectors), store, vectors, n_docs=N_DOCS, max_combined_length=CONTEXT
+            index, store, vectors, n_docs=N_DOCS, max_combined_length=CONTEXT
         )
         tx = optax.adamw(ts.LEARNING_RATE, *ts.BETAS, eps=ts.EPS, weight_decay=ts.WEIGHT_DECAY)
         params = jax.tree.map(jnp.array, params)  # copies: the step donates them
@@ -358,7 +360,8 @@ def run(quick: bool = False) -> dict:
         )
         vectors = vectors.astype(np.float32)  # [C, D]
         t0 = _clock()
-        store = experiment.build_store(passages, tok, pathlib.Path(tmp) / "store", cfg)
+        layout = {"prefix": cfg.prefix or "", "title_sep": cfg.title_sep, "doc_sep": cfg.doc_sep}
+        store = workdir_store(passages, tok, pathlib.Path(tmp) / "store", layout)
         store_s = _clock() - t0
         t0 = _clock()
         retriever = transformers.RagRetriever(

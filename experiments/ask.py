@@ -28,7 +28,7 @@ def main(argv):
         exp.config.eval.batch_size = len(questions)
     batcher = Batcher(exp, mesh)
     fields, pieces = batcher.questions(questions)
-    hits = batcher.retrieve(state.params, fields, pieces)
+    hits = batcher.retrieve(state.params, fields, pieces, exp.retriever)
     q = batcher.embed(state.params, fields["question_input_ids"], fields["question_attention_mask"])
     # p(z|x) as the model weighs the retrieved passages: softmax of q · d over the N docs.
     weights = np.asarray(jax.nn.softmax(rag.doc_scores(q, hits.doc_vectors), axis=-1))

@@ -36,7 +36,7 @@ def main(argv):
             config.eval.num_beams = _BEAMS.value or config.eval.num_beams
             config.eval.sequence_decoding = _DECODING.value or config.eval.sequence_decoding
         generation = dataclasses.replace(exp.rag_cfg.generation, num_beams=config.eval.num_beams)
-        exp.rag_cfg = exp.rag_cfg.replace(generation=generation)
+        exp = dataclasses.replace(exp, rag_cfg=exp.rag_cfg.replace(generation=generation))
     examples = exp.eval[: _MAX.value or None]
     metrics, predictions = evaluation.evaluate(
         exp, state.params, examples, mesh=loop.device_mesh(config), variant=variant

@@ -20,8 +20,9 @@ import time
 
 import ml_collections
 
-from rag_jax import evaluation, experiment, settings, synthetic
+from rag_jax import data, evaluation, settings, sharding, synthetic
 from rag_jax.retrieval import files
+from rag_jax.retrieval.build import workdir_store
 from rag_jax.retrieval.corpus import Passage
 from rag_jax.training import loop
 
@@ -76,19 +77,17 @@ def hot_swap(workdir: pathlib.Path, fraction: float, seed: int) -> dict:
     """EM on edited held-out facts (new answers) vs unedited ones, after re-indexing only."""
     exp, state, _ = loop.restore(workdir)
     world, edited = synthetic.edit_facts(exp.world, fraction, seed, split="eval")
-    store = experiment.build_store(
+    cfg = exp.rag_cfg
+    store = workdir_store(
         [Passage(p.id, p.title, p.text) for p in world.passages],
         exp.generator_tokenizer,
         workdir / "hot_swap_passages",
-        exp.rag_cfg,
+        {"prefix": cfg.prefix or "", "title_sep": cfg.title_sep, "doc_sep": cfg.doc_sep},
     )
-    vectors = experiment.encode_store(
-        store, exp.passage_cfg, state.params["passage_encoder"], exp.question_tokenizer, exp.config
-    )
-    exp.retriever = exp.retriever.swap(
-        experiment.make_index(vectors, exp.config.retrieval.index), store, vectors
-    )
-    examples = experiment.examples_from_world(world, "eval")
+    # The edited corpus, encoded by the trained passage encoder; no parameter changes.
+    passage_params = sharding.replicated_to_host(state.params["passage_encoder"])
+    retriever = exp.build_retriever(passage_params, store=store, save=False)
+    examples = data.examples_from_world(world, "eval")
     edited_ids = {f"{f.entity.replace(' ', '_')}:{f.relation}" for f in edited}
     mesh = loop.device_mesh(exp.config)
     out = {"edited_facts": len(edited_ids)}
@@ -97,7 +96,12 @@ def hot_swap(workdir: pathlib.Path, fraction: float, seed: int) -> dict:
         ("unedited", [e for e in examples if e.id not in edited_ids]),
     ):
         m, _ = evaluation.evaluate(
-            exp, state.params, subset, mesh=mesh, variant=exp.config.rag.variant
+            exp,
+            state.params,
+            subset,
+            mesh=mesh,
+            variant=exp.config.rag.variant,
+            retriever=retriever,
         )
         out[f"em_{name}"] = m["exact_match"]
         out[f"gold_recall@5_{name}"] = m.get("gold_recall@5", float("nan"))

@@ -279,6 +279,14 @@ def _example(values: Mapping[str, Any], where_fn) -> Example:
     return Example(question, tuple(answers), example_id, tuple(gold_ids))
 
 
+def examples_from_world(world, split: str) -> list[Example]:
+    """The questions of a synthetic world's split ("train" or "eval", `synthetic.World`)."""
+    return [
+        Example(q["question"], tuple(q["answers"]), q["id"], tuple(q["gold_ids"]))
+        for q in world.questions(split)
+    ]
+
+
 # ---------------------------------------------------------------------------------------------
 # TFDS
 

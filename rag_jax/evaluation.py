@@ -9,11 +9,20 @@ import jax
 import numpy as np
 
 from rag_jax import data, experiment, metrics, rag, rag_math, sharding
-from rag_jax.retrieval import retriever
+from rag_jax.retrieval.retriever import ClosedBook
 from rag_jax.training.batcher import Batcher
 
 
-def evaluate(exp: experiment.Experiment, params, examples, *, mesh, variant: str, ks=(1, 5)):
+def evaluate(
+    exp: experiment.Experiment,
+    params,
+    examples,
+    *,
+    mesh,
+    variant: str,
+    ks=(1, 5),
+    retriever=None,
+):
     """EM/F1 of generated answers and retrieval recall@k over `examples` (none dropped).
 
     On several hosts every process calls this with the same `examples`: each retrieves and feeds
@@ -21,10 +30,14 @@ def evaluate(exp: experiment.Experiment, params, examples, *, mesh, variant: str
     to every process, and each example is scored exactly once, so all processes return the same
     metrics and predictions (the trainer writes them from process 0).
 
+    `retriever` (default: the experiment's) finds the passages; a run whose index was refreshed
+    passes the one serving its current step.
+
     Returns:
       (metrics as floats, predictions: one dict per example with the answer and retrieved ids).
     """
     c = exp.config
+    retriever = exp.retriever if retriever is None else retriever
     batch_size = c.eval.batch_size
     sharding.check_batch_divisible(batch_size, mesh.size, "eval batch")
     batcher = Batcher(exp, mesh)
@@ -36,7 +49,7 @@ def evaluate(exp: experiment.Experiment, params, examples, *, mesh, variant: str
     for idx, mask in data.eval_batches(len(examples), batch_size):
         batch_examples = [examples[i] for i in idx]
         fields, pieces = batcher.questions(batch_examples[mine])
-        hits = batcher.retrieve(params, fields, pieces)
+        hits = batcher.retrieve(params, fields, pieces, retriever)
         ctx, ctx_mask = batcher.contexts(hits)  # -> [local B * N, W], padded as for training
         q_ids, q_mask, vecs, ctx, ctx_mask, doc_ids = sharding.shard_batch(
             mesh,
@@ -57,11 +70,11 @@ def evaluate(exp: experiment.Experiment, params, examples, *, mesh, variant: str
         answers = [a.strip() for a in answers]
         gold_answers = [e.answers for e in batch_examples]
         ids = []
-        if isinstance(exp.retriever, retriever.ClosedBook):  # nothing retrieved: no recall
+        if isinstance(retriever, ClosedBook):  # nothing retrieved: no recall
             totals = metrics.merge_metrics(totals, metrics.qa_metrics(answers, gold_answers, mask))
         else:
-            texts = [[exp.store.text(int(j)) for j in row] for row in doc_ids]
-            ids = [[exp.store.ids[int(j)] for j in row] for row in doc_ids]
+            texts = [[retriever.store.text(int(j)) for j in row] for row in doc_ids]
+            ids = [[retriever.store.ids[int(j)] for j in row] for row in doc_ids]
             totals = metrics.merge_metrics(
                 totals,
                 metrics.qa_metrics(answers, gold_answers, mask),

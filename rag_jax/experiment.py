@@ -1,7 +1,9 @@
-"""Everything a run needs, built from its config: QA data, tokenizers, models, corpus, index.
+"""Everything a run needs, built from its config: QA data, tokenizers, models, corpus, retrieval.
 
 `build(config, workdir)` returns an `Experiment`; the trainer and the scripts in `experiments/` use
-it so that every entry point sees the same data and the same models for the same config.
+it so that every entry point sees the same data and the same models for the same config. An
+`Experiment` is immutable once built: a refreshed index or a restored passage encoder is a new
+retriever (`exp.with_retriever(...)`).
 
 Model sources (`config.model.init`):
 - "random": both towers and the generator from `config.model.question_encoder` /
@@ -16,39 +18,35 @@ Questions from files (`config.data.source = "files"`): `eval_path` holds the hel
 when it is empty, whole articles of `train_path` are held out instead (`data.split_by_title`, a
 fraction `eval_fraction` of the gold passages' titles), so no article is in both splits.
 
-Passages: by default `config.data.corpus_path` is stored, encoded with the passage encoder and
-indexed in the workdir. `config.retrieval.index_dir` names a folder written by
-`experiments/build_index.py` instead (a 21M-passage index is built once, not per run); its store,
-vectors and index are used as they are, after checking that they were encoded by this run's
-passage encoder (parameter fingerprint) from the same corpus (checksum).
+Passages: by default `config.data.corpus_path` is stored (`retrieval.build.workdir_store`) and
+encoded with the passage encoder into an index saved in `<workdir>/index`, which a restore or a
+sibling run with the same passage encoder reuses (`retrieval.retriever.build`).
+`config.retrieval.index_dir` names a folder written by `experiments/build_index.py` instead (a
+21M-passage index is built once, not per run); its store, vectors and index are used as they are,
+after checking that they were encoded by this run's passage encoder (parameter fingerprint) from
+the same corpus (checksum).
 """
 
 import dataclasses
-import hashlib
-import json
-import os
 import pathlib
-import shutil
-import socket
 from typing import Any
 
-import flax.serialization
 import jax
 import ml_collections
 import numpy as np
 
 from rag_jax import data, hf, rag, sharding, synthetic
 from rag_jax.models import bart, bert
-from rag_jax.retrieval import encode, files
-from rag_jax.retrieval.corpus import Passage, corpus_checksum, read_passages
+from rag_jax.retrieval import retriever as retrieval
+from rag_jax.retrieval.build import load_index_dir, workdir_store
+from rag_jax.retrieval.corpus import Passage, read_passages
 from rag_jax.retrieval.device_index import DeviceIndex
-from rag_jax.retrieval.index import ExactIndex, ScannIndex
 from rag_jax.retrieval.retriever import ClosedBook, Retriever
-from rag_jax.retrieval.store import PassageStore, tokenizer_fingerprint
+from rag_jax.retrieval.store import PassageStore
 from rag_jax.training import warm_start
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class Experiment:
     """A run's data, tokenizers, models and retrieval."""
 
@@ -61,15 +59,72 @@ class Experiment:
     train: list[data.Example]
     eval: list[data.Example]
     store: PassageStore
-    retriever: Retriever | ClosedBook  # ClosedBook: config.rag.closed_book
+    retriever: Retriever | ClosedBook | None  # ClosedBook: config.rag.closed_book
+    workdir: pathlib.Path
     world: synthetic.World | None = None
 
+    def passage_encoder(self, passage_params) -> retrieval.PassageEncoder:
+        """This run's passage tower with `passage_params`, reading passages as the config says."""
+        r = self.config.retrieval
+        return retrieval.PassageEncoder(
+            self.passage_cfg,
+            passage_params,
+            self.question_tokenizer,
+            max_length=r.passage_max_length,
+            input_format=r.passage_format,
+            batch_size=r.encode_batch_size,
+        )
 
-def examples_from_world(world: synthetic.World, split: str) -> list[data.Example]:
-    return [
-        data.Example(q["question"], tuple(q["answers"]), q["id"], tuple(q["gold_ids"]))
-        for q in world.questions(split)
-    ]
+    def build_retriever(self, passage_params, *, store=None, save: bool = True, mesh=None):
+        """The retriever of this run's store (or `store`) encoded with `passage_params`.
+
+        With `save`, the encoded corpus is saved in (and looked for in) `<workdir>/index`, so a
+        restore or a rerun with the same passage encoder does not encode it again. A device
+        index spans `mesh` (default: every device of every process).
+        """
+        config = self.config
+        if config.rag.closed_book:
+            dim = self.rag_cfg.question_encoder.embedding_dim
+            return ClosedBook(
+                self.generator_tokenizer,
+                dim,
+                max_combined_length=self.rag_cfg.max_combined_length,
+            )
+        r, store = config.retrieval, store or self.store
+        common = dict(
+            n_docs=self.rag_cfg.n_docs, max_combined_length=self.rag_cfg.max_combined_length
+        )
+        # The train step searches a device index itself unless the stored vectors change.
+        common["search_in_step"] = r.index == "device" and r.search_in_step and not r.refresh_every
+        # A device index spans every device of every process: on a pod the corpus is split over
+        # all accelerators, and the train step (one mesh over the same devices) can search it.
+        pod = sharding.data_mesh() if mesh is None else mesh
+        if r.index_dir:
+            ix, vectors = load_index_dir(r.index_dir, store, self.passage_cfg, passage_params)
+            if r.index == "device" and not isinstance(ix, DeviceIndex):
+                provenance = retrieval.index_provenance(ix)
+                ix = DeviceIndex(vectors, pod, **provenance)
+            return Retriever(ix, store, vectors, **common)
+        return retrieval.build(
+            store,
+            self.passage_encoder(passage_params),
+            kind=r.index,
+            mesh=pod,
+            cache_dir=self.workdir / "index" if save else None,
+            **common,
+        )
+
+    def searches_in_step(self, mesh) -> bool:
+        """Whether the train step on `mesh` searches for the next batch itself (as the retriever
+        `build_retriever` makes would say: `Retriever.searches_in_step`)."""
+        r = self.config.retrieval
+        in_step = r.index == "device" and r.search_in_step and not r.refresh_every
+        in_step = in_step and not self.config.rag.closed_book
+        return in_step and list(sharding.data_mesh().devices.flat) == list(mesh.devices.flat)
+
+    def with_retriever(self, passage_params, **options) -> "Experiment":
+        """This experiment with the retriever of `passage_params` (`build_retriever`)."""
+        return dataclasses.replace(self, retriever=self.build_retriever(passage_params, **options))
 
 
 def _load_data(config):
@@ -86,8 +141,8 @@ def _load_data(config):
         )
         passages = [Passage(p.id, p.title, p.text) for p in world.passages]
         return (
-            examples_from_world(world, "train"),
-            examples_from_world(world, "eval"),
+            data.examples_from_world(world, "train"),
+            data.examples_from_world(world, "eval"),
             passages,
             world,
         )
@@ -207,278 +262,15 @@ def _init_bert(cfg: bert.BertConfig, rng) -> dict:
     return bert.BertEncoder(cfg).init(rng, ids, ids)["params"]
 
 
-def _process_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # alive, another user's
-        return True
-    return True
+def build(config: ml_collections.ConfigDict, workdir, *, retriever: bool = True) -> Experiment:
+    """Builds the experiment described by `config`, caching the passage store in `workdir`.
 
-
-def build_store(passages, tokenizer, directory: pathlib.Path, rag_cfg: rag.RagConfig):
-    """Opens the passage store in `directory`, or builds it there from `passages`.
-
-    An existing store must hold exactly `passages`, tokenised the same way: a workdir reused with
-    another corpus (a changed world size or seed) is refused, never silently trained on.
-
-    Several processes may share `directory` (hosts of one run on a shared workdir): each builds
-    into a private sibling folder and renames it into place, so a store appears whole, with its
-    manifest, or not at all; a process that finds the place taken keeps the winner's store. A
-    private folder left by a killed build of this host is removed by the next build.
+    Args:
+      config: a validated config (`rag_jax.settings`).
+      workdir: where the store, the warm starts and the encoded corpus are kept.
+      retriever: also encode the corpus and index it with the (warm-started) passage encoder;
+        False leaves `retriever` None (a restore builds it from the checkpoint's encoder).
     """
-    directory, passages = pathlib.Path(directory), list(passages)
-    layout = dict(prefix=rag_cfg.prefix or "", title_sep=rag_cfg.title_sep, doc_sep=rag_cfg.doc_sep)
-    if not (directory / "manifest.json").is_file():
-        if _build_into_place(passages, tokenizer, directory, layout):
-            return PassageStore.open(directory)  # built from `passages` just now: nothing to check
-    store = PassageStore.open(directory)
-    stale = store.differences(corpus_checksum(passages), tokenizer, **layout)
-    if stale:
-        raise ValueError(
-            f"{directory} holds a passage store built from another corpus or tokenizer "
-            f"(differs: {stale}); use a fresh workdir or delete {directory}"
-        )
-    return store
-
-
-def _build_into_place(passages, tokenizer, directory: pathlib.Path, layout: dict) -> bool:
-    """Builds the store in a private sibling folder and renames it to `directory`.
-
-    Returns:
-      True when this build took the place; False when another process's store was there first.
-    """
-    host = socket.gethostname()
-    for stale in directory.parent.glob(f"{directory.name}.building-{host}-*"):
-        if not _process_alive(int(stale.name.rsplit("-", 1)[1])):  # a killed build
-            shutil.rmtree(stale, ignore_errors=True)
-    private = directory.with_name(f"{directory.name}.building-{host}-{os.getpid()}")
-    shutil.rmtree(private, ignore_errors=True)
-    PassageStore.build(passages, tokenizer, private, **layout)
-    for _ in range(2):
-        try:
-            os.rename(private, directory)
-            return True
-        except OSError:
-            if (directory / "manifest.json").is_file():
-                shutil.rmtree(private)  # another process renamed its build first
-                return False
-            # No manifest: the leftovers of a build that wrote into place (older layouts).
-            shutil.rmtree(directory)
-    raise FileExistsError(f"could not move the passage store built in {private} to {directory}")
-
-
-def encode_store(store, passage_cfg, passage_params, tokenizer, config) -> np.ndarray:
-    """[C, D] float32 vectors of every passage in the store.
-
-    Encoded on this process's devices: on several hosts each one encodes the whole corpus, for
-    its own replica of a host index, or for its own devices' rows of a `DeviceIndex` (the
-    encoder's default mesh refuses to span processes).
-    """
-    return encode.encode_passages(
-        passage_cfg,
-        passage_params,
-        tokenizer,
-        [store.title(i) for i in range(len(store))],
-        [store.text(i) for i in range(len(store))],
-        max_length=config.retrieval.passage_max_length,
-        input_format=config.retrieval.passage_format,
-        batch_size=config.retrieval.encode_batch_size,
-        dtype="float32",
-        mesh=sharding.data_mesh(jax.local_devices()),
-    )
-
-
-def _ict(config, rag_cfg, p_cfg, params, tokenizer, store) -> dict:
-    """Both retriever towers after the inverse-cloze warm start (no QA supervision)."""
-    if p_cfg != rag_cfg.question_encoder:
-        raise ValueError("the ICT warm start needs both towers to share one architecture")
-    w = config.warm_start
-    q_params, p_params, log = warm_start.ict_warm_start(
-        rag_cfg.question_encoder,
-        params["question_encoder"],
-        params["passage_encoder"],
-        tokenizer,
-        [(store.title(i), store.text(i)) for i in range(len(store))],
-        steps=w.steps,
-        batch_size=w.batch_size,
-        learning_rate=w.learning_rate,
-        seed=config.seed,
-        query_length=config.data.question_length,
-        passage_length=config.retrieval.passage_max_length,
-        keep_prob=w.keep_prob,
-        passage_format=config.retrieval.passage_format,
-    )
-    last = log[-1]
-    print(
-        f"ICT warm start: {w.steps} steps, loss {last['loss']:.3f}, in-batch accuracy "
-        f"{last['in_batch_accuracy']:.3f}",
-        flush=True,
-    )
-    return dict(params, question_encoder=q_params, passage_encoder=p_params)
-
-
-def _cached(label: str, key: dict, template: dict, compute, config, workdir) -> dict:
-    """`compute()` (parameter trees shaped like `template`), cached in
-    `<warm_start.cache_dir or workdir>/warm_start/<fingerprint of key>.msgpack`.
-
-    A warm start is a deterministic function of what `key` lists (seed, data, initial parameters,
-    settings), so a resume, or another run sharing `cache_dir`, reuses it and any change
-    recomputes it.
-    """
-    fingerprint = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    directory = pathlib.Path(config.warm_start.cache_dir or workdir) / "warm_start"
-    path = directory / f"{fingerprint}.msgpack"
-    if path.is_file():
-        try:
-            cached = flax.serialization.from_bytes(jax.device_get(template), path.read_bytes())
-        except Exception as e:  # msgpack/structure errors name neither the file nor the cause
-            raise ValueError(f"{path}: corrupt warm-start cache ({e}); delete it") from e
-        print(f"{label}: reusing {path}", flush=True)
-        return cached
-    value = jax.device_get(compute())
-    if jax.process_index() == 0:
-        directory.mkdir(parents=True, exist_ok=True)
-        files.write_atomic(path, flax.serialization.to_bytes(value))
-    return value
-
-
-def _cached_ict(config, rag_cfg, p_cfg, params, tokenizer, store, workdir) -> dict:
-    """`_ict`, cached (see `_cached`)."""
-    names = ("question_encoder", "passage_encoder")
-    towers = {k: params[k] for k in names}
-    key = {
-        "warm_start": {
-            k: v
-            for k, v in config.warm_start.items()
-            if k != "cache_dir" and not k.startswith("reader_")
-        },
-        "retrieval": {k: config.retrieval[k] for k in ("passage_max_length", "passage_format")},
-        "question_length": config.data.question_length,
-        "seed": config.seed,
-        "corpus": store.checksum,
-        "question_encoder": encode.encoder_fingerprint(p_cfg, towers["question_encoder"]),
-        "passage_encoder": encode.encoder_fingerprint(p_cfg, towers["passage_encoder"]),
-    }
-
-    def compute():
-        warm = _ict(config, rag_cfg, p_cfg, params, tokenizer, store)
-        return {k: warm[k] for k in names}
-
-    return dict(params, **_cached("ICT warm start", key, towers, compute, config, workdir))
-
-
-# The reader warm start's world: another seed, so other entities and independently drawn facts.
-READER_WORLD_SEED_OFFSET = 1_000_003
-
-
-def _cached_reader(config, rag_cfg, params, tokenizer, workdir, own_world) -> dict:
-    """The generator after `warm_start.reader_warm_start` on another synthetic world, cached.
-
-    Facts about an entity whose name also occurs in `own_world` (the experiment's) are left out,
-    so no name of the experiment's world is seen with an answer.
-    """
-    d, w = config.data, config.warm_start
-    if d.source != "synthetic":
-        raise ValueError(
-            "config.warm_start.reader_steps needs data.source='synthetic' (it reads another "
-            f"synthetic world); got {d.source!r}: set reader_steps=0"
-        )
-    world = synthetic.make_world(
-        synthetic.WorldConfig(
-            seed=config.seed + READER_WORLD_SEED_OFFSET,
-            num_entities=w.reader_entities,
-            distractors_per_fact=d.distractors_per_fact,
-            eval_fraction=d.eval_fraction,
-        )
-    )
-    own = {f.entity for f in own_world.facts}
-    kept = {f.gold_id for f in world.facts if f.entity not in own}  # answer passages kept
-    examples = [
-        e
-        for e in examples_from_world(world, "train") + examples_from_world(world, "eval")
-        if e.gold_ids[0] in kept
-    ]
-    key = {
-        "reader": {k: v for k, v in w.items() if k.startswith("reader_")},
-        "world": dataclasses.asdict(world.config),
-        "train": {k: config.train[k] for k in ("batch_size", "learning_rate")},
-        "answer_length": d.answer_length,
-        "examples": hashlib.sha256(" ".join(e.id for e in examples).encode()).hexdigest(),
-        "rag": [rag_cfg.max_combined_length, rag_cfg.label_smoothing, rag_cfg.exclude_bos_score],
-        "tokenizer": tokenizer_fingerprint(tokenizer),
-        "generator": encode.encoder_fingerprint(rag_cfg.generator, params["generator"]),
-    }
-
-    def compute():
-        passages = [Passage(p.id, p.title, p.text) for p in world.passages]
-        store = build_store(passages, tokenizer, pathlib.Path(workdir) / "reader_world", rag_cfg)
-        generator, log = warm_start.reader_warm_start(
-            rag_cfg,
-            params["generator"],
-            tokenizer,
-            store,
-            examples,
-            steps=w.reader_steps,
-            batch_size=config.train.batch_size,
-            learning_rate=config.train.learning_rate,
-            seed=config.seed,
-            answer_length=d.answer_length,
-        )
-        print(
-            f"reader warm start: {w.reader_steps} steps on {len(examples)} questions of another "
-            f"world, loss {log[0]['loss']:.3f} -> {log[-1]['loss']:.3f}",
-            flush=True,
-        )
-        return {"generator": generator}
-
-    template = {"generator": params["generator"]}
-    cached = _cached("reader warm start", key, template, compute, config, workdir)
-    return dict(params, **cached)
-
-
-def make_index(vectors: np.ndarray, kind: str, mesh: jax.sharding.Mesh | None = None):
-    """The index `config.retrieval.index` names over `vectors` [C, D].
-
-    "exact" and "scann" search on the host; "device" shards the vectors over the `data` axis of
-    `mesh` (`DeviceIndex`; default: this process's devices) and searches there, one jitted
-    program per batch. A mesh that spans processes splits the corpus over the whole pod; every
-    process must then build it from the same vectors and search it together (see `DeviceIndex`).
-    """
-    if kind == "exact":
-        return ExactIndex(vectors)
-    if kind == "scann":
-        return ScannIndex.build(vectors)
-    if kind == "device":
-        if mesh is None:
-            mesh = sharding.data_mesh(jax.local_devices())
-        return DeviceIndex(vectors, mesh)
-    raise ValueError(f"config.retrieval.index must be exact, scann or device, got {kind!r}")
-
-
-def load_index_dir(directory, store: PassageStore, passage_cfg, passage_params):
-    """(index, [C, D] vectors) written by `experiments/build_index.py` into `directory`.
-
-    Both are checked against this run's passage encoder (parameter fingerprint) and the store's
-    corpus checksum, so an index encoded by another encoder or from another corpus is refused.
-    """
-    from rag_jax.retrieval import index as index_lib
-    from rag_jax.retrieval.vectors import load_vectors
-
-    directory = pathlib.Path(directory)
-    expect = {
-        "encoder_fingerprint": encode.encoder_fingerprint(passage_cfg, passage_params),
-        "corpus_checksum": store.checksum,
-    }
-    ix = index_lib.load(str(directory / "index"), expect)
-    if isinstance(ix, ExactIndex):
-        return ix, ix.vectors  # one copy of the vectors, not two
-    return ix, load_vectors(directory / "vectors", expect)
-
-
-def build(config: ml_collections.ConfigDict, workdir) -> Experiment:
-    """Builds the experiment described by `config`, caching the passage store in `workdir`."""
     if config.rag.closed_book and config.rag.n_docs != 1:
         raise ValueError(
             f"config.rag.closed_book needs config.rag.n_docs=1, got {config.rag.n_docs}"
@@ -491,50 +283,22 @@ def build(config: ml_collections.ConfigDict, workdir) -> Experiment:
     q_tok, g_tok = _tokenizers(config, world)
     model_rng = jax.random.fold_in(jax.random.PRNGKey(config.seed), 0)
     rag_cfg, p_cfg, params = _models(config, q_tok, g_tok, model_rng)
-    index_dir = config.retrieval.index_dir
-    if index_dir:
-        store = PassageStore.open(pathlib.Path(index_dir) / "passages")
+    if config.retrieval.index_dir:
+        store = PassageStore.open(pathlib.Path(config.retrieval.index_dir) / "passages")
     else:
-        store = build_store(passages, g_tok, workdir / "passages", rag_cfg)
-    if config.warm_start.method == "ict":
-        params = _cached_ict(config, rag_cfg, p_cfg, params, q_tok, store, workdir)
-    elif config.warm_start.method != "none":
-        raise ValueError(
-            f"config.warm_start.method must be none or ict: {config.warm_start.method!r}"
-        )
-    if config.warm_start.reader_steps:
-        params = _cached_reader(config, rag_cfg, params, g_tok, workdir, world)
-    if rag_cfg.n_docs > len(store):
+        layout = dict(prefix=rag_cfg.prefix or "", title_sep=rag_cfg.title_sep)
+        layout["doc_sep"] = rag_cfg.doc_sep
+        store = workdir_store(passages, g_tok, workdir / "passages", layout)
+    if rag_cfg.n_docs > len(store):  # before any warm start runs
         raise ValueError(
             f"config.rag.n_docs={rag_cfg.n_docs} exceeds the corpus size {len(store)}; use at "
             f"most {len(store)}"
         )
-    # A device index spans every device of every process: on a pod the corpus is split over
-    # all accelerators, and the train step (one mesh over the same devices) can search it.
-    pod = sharding.data_mesh()
-    if index_dir:
-        ix, vectors = load_index_dir(index_dir, store, p_cfg, params["passage_encoder"])
-        if config.retrieval.index == "device" and not isinstance(ix, DeviceIndex):
-            ix = DeviceIndex(
-                vectors,
-                pod,
-                encoder_fingerprint=ix.encoder_fingerprint,
-                corpus_checksum=ix.corpus_checksum,
-            )
-    else:
-        vectors = encode_store(store, p_cfg, params["passage_encoder"], q_tok, config)
-        ix = make_index(vectors, config.retrieval.index, pod)
-    retriever = Retriever(
-        ix,
-        store,
-        vectors,
-        n_docs=rag_cfg.n_docs,
-        max_combined_length=rag_cfg.max_combined_length,
+    if config.warm_start.method == "ict":
+        params = warm_start.retriever(config, rag_cfg, p_cfg, params, q_tok, store, workdir)
+    if config.warm_start.reader_steps:
+        params = warm_start.generator(config, rag_cfg, params, g_tok, workdir, world)
+    exp = Experiment(
+        config, rag_cfg, p_cfg, params, q_tok, g_tok, train, evals, store, None, workdir, world
     )
-    if config.rag.closed_book:
-        retriever = ClosedBook(
-            g_tok, vectors.shape[1], max_combined_length=rag_cfg.max_combined_length
-        )
-    return Experiment(
-        config, rag_cfg, p_cfg, params, q_tok, g_tok, train, evals, store, retriever, world
-    )
+    return exp.with_retriever(params["passage_encoder"]) if retriever else exp

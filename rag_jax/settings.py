@@ -422,10 +422,6 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> None:
             sharding.check_batch_divisible(size, num_devices, what)
         except ValueError as e:
             raise ValueError(f"config.{section}.batch_size: {e}") from None
-    if config.rag.closed_book and config.rag.n_docs != 1:
-        raise ValueError(
-            f"config.rag.closed_book needs config.rag.n_docs=1, got {config.rag.n_docs}"
-        )
     refresh_every = config.retrieval.refresh_every
     passage_frozen = bool(tc.freeze) and re.search(tc.freeze, "passage_encoder/") is not None
     if refresh_every and passage_frozen:

@@ -320,6 +320,20 @@ def own_rows(x: jax.Array, mesh: Mesh) -> np.ndarray:
     return whole[block * size : (block + 1) * size]
 
 
+def replicated_to_host(tree: Any) -> Any:
+    """Host numpy copies of a pytree of replicated arrays (e.g. restored parameters), read from
+    this process's own copy: no communication, on one process or several."""
+
+    def host(x):
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+            if not x.is_fully_replicated:
+                raise ValueError(f"replicated_to_host needs replicated arrays; got {x.sharding}")
+            return np.asarray(x.addressable_data(0))
+        return np.asarray(jax.device_get(x))
+
+    return jax.tree.map(host, tree)
+
+
 def gather_to_host(tree: Any) -> Any:
     """The full value of every (global) array of a pytree, as numpy, on every process.
 

@@ -145,10 +145,10 @@ def test_preemption_at_a_random_step_saves_that_step_and_resumes_bitwise(
     batch_index = int(np.random.default_rng().integers(0, STEPS - 1))
     original = Batcher.train_batch
 
-    def sigterm_at(self, params, step):
+    def sigterm_at(self, state, step, retriever):
         if step == batch_index:
             os.kill(os.getpid(), signal.SIGTERM)  # the real signal, through the real handler
-        return original(self, params, step)
+        return original(self, state, step, retriever)
 
     monkeypatch.setattr(Batcher, "train_batch", sigterm_at)
     config = tiny_config(**{"train.save_every": 1000})
@@ -293,11 +293,12 @@ def test_non_finite_loss_stops_at_its_step_and_the_last_good_checkpoint_is_intac
     at step 5 naming the metric, and step 4 (not a NaN step 6) is its newest checkpoint."""
     original = Batcher.train_batch
 
-    def poisoned(self, params, step):
-        batch, recall = original(self, params, step)
+    def poisoned(self, state, step, retriever):
+        batch = original(self, state, step, retriever)
         if step == 4:  # the batch of train step 5
-            batch = dict(batch, doc_vectors=np.full_like(batch["doc_vectors"], np.nan))
-        return batch, recall
+            arrays = batch.arrays
+            batch.arrays = dict(arrays, doc_vectors=np.full_like(arrays["doc_vectors"], np.nan))
+        return batch
 
     monkeypatch.setattr(Batcher, "train_batch", poisoned)
     with pytest.raises(

@@ -1,6 +1,8 @@
 """Tiny runs of the default job shared by the trainer's tests: a 12-entity world, steps in single
 digits, contexts of 32 tokens."""
 
+import types
+
 import jax
 import numpy as np
 
@@ -33,3 +35,10 @@ def _flat(tree):
     return {
         jax.tree_util.keystr(p): np.asarray(v) for p, v in jax.tree_util.tree_leaves_with_path(tree)
     }
+
+
+def first_batch(batcher, exp, step: int = 0) -> dict:
+    """Batch `step`'s host arrays, as the trainer assembles them from the experiment's
+    parameters and retriever."""
+    state = types.SimpleNamespace(params=exp.params, next_doc_ids=None)
+    return batcher.train_batch(state, step, exp.retriever).arrays

@@ -1,14 +1,21 @@
-"""Corpus file -> passage store, passage vectors and index: the offline pipeline behind
-`experiments/build_index.py`, every step resumable and checked against what it was built from.
+"""Passage stores and indexes on disk, built once and opened by every run that needs them.
+
+- `build_index`: corpus file -> passage store, passage vectors and index, the offline pipeline
+  behind `experiments/build_index.py`, every step resumable and checked against what it was
+  built from; `load_index_dir` opens such a folder for a run, checked against its encoder.
+- `workdir_store`: the passage store of a run's own corpus in its workdir, built once and shared
+  by the processes of a multi-host run.
 
 Legend: C corpus size (passages), D embedding width.
 """
 
+import os
 import pathlib
 import shutil
+import socket
 
 from rag_jax import hf
-from rag_jax.retrieval import corpus, index
+from rag_jax.retrieval import corpus, encode, index
 from rag_jax.retrieval.encode import DEFAULT_MAX_LENGTH, encode_corpus
 from rag_jax.retrieval.store import PassageStore
 from rag_jax.retrieval.vectors import load_vectors
@@ -133,3 +140,91 @@ def build_index(
         "dim": manifest["dim"],
         **provenance,
     }
+
+
+def load_index_dir(directory, store: PassageStore, passage_cfg, passage_params):
+    """(index, [C, D] vectors) written by `build_index` into `directory`.
+
+    Both are checked against this run's passage encoder (parameter fingerprint) and the store's
+    corpus checksum, so an index encoded by another encoder or from another corpus is refused.
+    """
+    directory = pathlib.Path(directory)
+    expect = {
+        "encoder_fingerprint": encode.encoder_fingerprint(passage_cfg, passage_params),
+        "corpus_checksum": store.checksum,
+    }
+    ix = index.load(str(directory / "index"), expect)
+    if isinstance(ix, index.ExactIndex):
+        return ix, ix.vectors  # one copy of the vectors, not two
+    return ix, load_vectors(directory / "vectors", expect)
+
+
+# ---------------------------------------------------------------------------------------------
+# A run's own store
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    return True
+
+
+def workdir_store(passages, tokenizer, directory, layout: dict) -> PassageStore:
+    """Opens the passage store in `directory`, or builds it there from `passages`.
+
+    An existing store must hold exactly `passages`, tokenised the same way: a workdir reused with
+    another corpus (a changed world size or seed) is refused, never silently trained on.
+
+    Several processes may share `directory` (hosts of one run on a shared workdir): each builds
+    into a private sibling folder and renames it into place, so a store appears whole, with its
+    manifest, or not at all; a process that finds the place taken keeps the winner's store. A
+    private folder left by a killed build of this host is removed by the next build.
+
+    Args:
+      passages: the corpus' `Passage` records.
+      tokenizer: the generator's tokenizer.
+      directory: the store's folder.
+      layout: {"prefix", "title_sep", "doc_sep"} of the contexts (HF `RagConfig`).
+    """
+    directory, passages = pathlib.Path(directory), list(passages)
+    if not (directory / "manifest.json").is_file():
+        if _build_into_place(passages, tokenizer, directory, layout):
+            return PassageStore.open(directory)  # built from `passages` just now: nothing to check
+    store = PassageStore.open(directory)
+    stale = store.differences(corpus.corpus_checksum(passages), tokenizer, **layout)
+    if stale:
+        raise ValueError(
+            f"{directory} holds a passage store built from another corpus or tokenizer "
+            f"(differs: {stale}); use a fresh workdir or delete {directory}"
+        )
+    return store
+
+
+def _build_into_place(passages, tokenizer, directory: pathlib.Path, layout: dict) -> bool:
+    """Builds the store in a private sibling folder and renames it to `directory`.
+
+    Returns:
+      True when this build took the place; False when another process's store was there first.
+    """
+    host = socket.gethostname()
+    for stale in directory.parent.glob(f"{directory.name}.building-{host}-*"):
+        if not _process_alive(int(stale.name.rsplit("-", 1)[1])):  # a killed build
+            shutil.rmtree(stale, ignore_errors=True)
+    private = directory.with_name(f"{directory.name}.building-{host}-{os.getpid()}")
+    shutil.rmtree(private, ignore_errors=True)
+    PassageStore.build(passages, tokenizer, private, **layout)
+    for _ in range(2):
+        try:
+            os.rename(private, directory)
+            return True
+        except OSError:
+            if (directory / "manifest.json").is_file():
+                shutil.rmtree(private)  # another process renamed its build first
+                return False
+            # No manifest: the leftovers of a build that wrote into place (older layouts).
+            shutil.rmtree(directory)
+    raise FileExistsError(f"could not move the passage store built in {private} to {directory}")

@@ -135,15 +135,17 @@ def read_manifest(directory, expect: dict | None, kinds: tuple[str, ...]) -> dic
     return manifest
 
 
-def save_vectors(index: Index, vectors: np.ndarray, directory) -> None:
-    """Writes an exact index folder: `vectors.bin` (raw little-endian rows) and the manifest."""
+def save_vectors(index: Index, vectors: np.ndarray, directory, extra: dict | None = None):
+    """Writes an exact index folder: `vectors.bin` (raw little-endian rows) and the manifest
+    (with `extra` fields, e.g. how the vectors were encoded)."""
     little = vectors.astype(vectors.dtype.newbyteorder("<"), copy=False)  # no copy on x86/ARM
 
     def write_fn(tmp):
         with open(os.path.join(tmp, VECTORS), "wb") as f:
             files.write_bytes(f, np.ascontiguousarray(little).view(np.uint8))
 
-    files.swap_dir(directory, write_fn, index._manifest(vectors.dtype.name), what="index")
+    manifest = index._manifest(vectors.dtype.name, **(extra or {}))
+    files.swap_dir(directory, write_fn, manifest, what="index")
 
 
 def load_vectors(directory, expect, verify, kinds) -> tuple[dict, np.ndarray]:
@@ -342,9 +344,10 @@ class ExactIndex(Index):
             )
         return best_scores, best_ids
 
-    def save(self, directory: str) -> None:
-        """Writes `vectors.bin` (raw rows, little-endian) and `manifest.json` to `directory`."""
-        save_vectors(self, self.vectors, directory)
+    def save(self, directory: str, **extra) -> None:
+        """Writes `vectors.bin` (raw rows, little-endian) and `manifest.json` to `directory`;
+        `extra` fields go into the manifest."""
+        save_vectors(self, self.vectors, directory, extra)
 
     @classmethod
     def load(

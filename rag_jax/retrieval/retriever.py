@@ -1,18 +1,42 @@
-"""Retrieval on the host: question vectors -> top-k passages -> generator inputs.
+"""Which passages for these questions: the one home of retrieval, whichever search path.
 
-The index decides *which* passages; their stored vectors come back with them so that the doc
-scores can be recomputed inside the jitted step from the trainable question encoder (DESIGN
-decision 4): the approximate search never sets the weights the loss uses.
+A `Retriever` joins an index to the passage store its vectors were encoded from, and answers for
+every path the trainer, the evaluation and the scripts use:
+
+- a host index (`ExactIndex`, `ScannIndex`): question vectors come to the host and each process
+  searches its own rows in its own replica of the index;
+- a `DeviceIndex` searched between the steps: on one host, or spanning every device of a pod, when
+  all processes search it together with the global batch and each keeps its own rows;
+- a `DeviceIndex` searched inside the train step (`search_in_step`): the step embeds the next
+  batch's questions with the parameters it just updated and returns the passage rows in
+  `TrainState.next_doc_ids`; the retriever only turns those rows into contexts.
+
+`for_step` picks the path, so a training loop never asks how its batch was retrieved. The index
+decides *which* passages; their stored vectors come back with them so that the doc scores can be
+recomputed inside the jitted step from the trainable question encoder: the approximate search
+never sets the weights the loss uses.
+
+`build(...)` makes the retriever of a passage store and a passage encoder (encode the corpus,
+index it), reusing an index saved by an earlier build when one matches the encoder's fingerprint,
+the corpus checksum and the encoding settings: the experiment's first build, each index refresh,
+a hot swap and a restore all go through it.
 
 Legend: B batch, N docs per question, S context length, D vector width, C corpus size.
 """
 
 import dataclasses
+import hashlib
+import json
+import pathlib
 
+import jax
 import numpy as np
 
-from rag_jax.retrieval.index import Index
-from rag_jax.retrieval.store import PassageStore
+from rag_jax import sharding
+from rag_jax.retrieval import encode
+from rag_jax.retrieval.device_index import DeviceIndex
+from rag_jax.retrieval.index import ExactIndex, Index, ScannIndex, read_manifest
+from rag_jax.retrieval.store import PassageStore, tokenizer_fingerprint
 
 
 @dataclasses.dataclass
@@ -37,13 +61,19 @@ class Retriever:
         *,
         n_docs: int,
         max_combined_length: int,
+        search_in_step: bool = False,
+        verify_corpus: bool = True,
     ):
         """Args:
-        index: any host index over `vectors` (`search(queries [B, D], k)`).
+        index: any index over `vectors` (`search(queries [B, D], k)`).
         store: the passage store the vectors were encoded from (same row order).
         vectors: [C, D] stored passage vectors.
         n_docs: N, passages per question.
         max_combined_length: S, generator context length.
+        search_in_step: a `DeviceIndex` on the train step's devices is searched inside the step.
+        verify_corpus: the index must record the store's corpus checksum (`corpus_checksum`),
+          so an index of another corpus is never paired with this store. False accepts an index
+          whose corpus is unknown or another: an explicit, unchecked pairing.
         """
         if len(store) != index.count or vectors.shape[0] != index.count:
             raise ValueError(
@@ -57,11 +87,21 @@ class Retriever:
                 f"n_docs={n_docs} must be in [1, {index.count}] (the corpus has {index.count} "
                 "passages)"
             )
+        if verify_corpus and index.corpus_checksum != store.checksum:
+            found = index.corpus_checksum
+            source = "an unknown corpus" if found is None else f"corpus {found}"
+            raise ValueError(
+                f"the index was built from {source}, "
+                f"not from the store {store.directory} (corpus {store.checksum}): build the index "
+                "from this store's vectors with corpus_checksum=store.checksum, or pass "
+                "verify_corpus=False to pair them unchecked"
+            )
         self.index, self.store, self.vectors = index, store, vectors
         self.n_docs, self.max_combined_length = n_docs, max_combined_length
+        self.in_step, self.verify_corpus = search_in_step, verify_corpus
 
     def __call__(self, question_vectors: np.ndarray, question_pieces: list[list[int]]) -> Retrieved:
-        """Retrieves for a batch.
+        """Retrieves for a batch on the host.
 
         Args:
           question_vectors: [B, D] float32 from the current question encoder.
@@ -73,6 +113,24 @@ class Retriever:
         """
         scores, ids = self.index.search(np.asarray(question_vectors, np.float32), self.n_docs)
         return self.gather(ids, question_pieces, scores)
+
+    def retrieve(self, question_vectors: jax.Array, question_pieces, mesh) -> Retrieved:
+        """Retrieves for this process's rows of a batch whose vectors are on the devices.
+
+        A `DeviceIndex` spanning processes is searched by all of them together with the global
+        batch (a collective); any other index is this process's own and searched with its rows.
+
+        Args:
+          question_vectors: [B, D] global, batch-sharded over `mesh`.
+          question_pieces: this process's rows' pieces (`store.tokenize_questions`).
+          mesh: the `data` mesh the batch is sharded over.
+        """
+        index = self.index
+        if isinstance(index, DeviceIndex) and not index.vectors.is_fully_addressable:
+            scores, doc_ids = index.search(question_vectors, self.n_docs)  # -> [B, N] replicated
+            own = lambda x: sharding.own_rows(x, mesh)  # noqa: E731
+            return self.gather(own(doc_ids), question_pieces, own(scores))
+        return self(sharding.local_rows(question_vectors), question_pieces)
 
     def gather(self, doc_ids, question_pieces: list[list[int]], scores=None) -> Retrieved:
         """The step's inputs for passages already chosen (e.g. by a search inside the step).
@@ -104,14 +162,56 @@ class Retriever:
         )
         return Retrieved(ids, np.asarray(scores, np.float32), vectors, context_ids, context_mask)
 
+    def searches_in_step(self, mesh) -> bool:
+        """Whether the train step on `mesh` searches this retriever's index itself: a
+        `DeviceIndex` sharded over the step's own devices, along `data` (one process or a pod),
+        asked to (`search_in_step`)."""
+        index = self.index
+        return (
+            self.in_step
+            and isinstance(index, DeviceIndex)
+            and index.axis == sharding.DATA_AXIS
+            and list(index.mesh.devices.flat) == list(mesh.devices.flat)
+        )
+
+    def for_step(self, next_doc_ids, vectors_fn, question_pieces, next_questions_fn, mesh):
+        """A training batch's passages, and the train step's retrieval argument.
+
+        Args:
+          next_doc_ids: `TrainState.next_doc_ids` ([B, N] replicated, found by the previous step's
+            search), or None.
+          vectors_fn: `() -> [B, D]` the batch's question vectors (batch-sharded), called when the
+            search runs now, between the steps.
+          question_pieces: this process's rows' pieces.
+          next_questions_fn: `() -> ` the next batch's question-encoder inputs (sharded), called
+            when the step searches for the next batch.
+          mesh: the step's mesh.
+
+        Returns:
+          (Retrieved for this process's rows, the step's `retrieval` argument: `(index, next
+          questions)` for a search inside the step, else None).
+        """
+        if self.searches_in_step(mesh):
+            own = sharding.own_rows(next_doc_ids, mesh)  # -> [local B, N]
+            return self.gather(own, question_pieces), (self.index, next_questions_fn())
+        return self.retrieve(vectors_fn(), question_pieces, mesh), None
+
+    def initial_doc_ids(self, search_fn, questions_fn, mesh):
+        """The first training batch's passages when the step searches for the next batch
+        (`search_fn(index, questions_fn())`), else None."""
+        return search_fn(self.index, questions_fn()) if self.searches_in_step(mesh) else None
+
     def swap(self, index: Index, store: PassageStore, vectors: np.ndarray) -> "Retriever":
-        """The same retriever over another corpus (hot-swap): model parameters are untouched."""
+        """The same retriever over another corpus (hot-swap): model parameters are untouched.
+        The new index must record the new store's corpus checksum (see `verify_corpus`)."""
         return Retriever(
             index,
             store,
             vectors,
             n_docs=self.n_docs,
             max_combined_length=self.max_combined_length,
+            search_in_step=self.in_step,
+            verify_corpus=self.verify_corpus,
         )
 
 
@@ -125,6 +225,7 @@ class ClosedBook:
     """
 
     n_docs = 1
+    index = None
 
     def __init__(self, tokenizer, dim: int, *, max_combined_length: int):
         """Args:
@@ -160,3 +261,169 @@ class ClosedBook:
             context_input_ids=ids,
             context_attention_mask=mask,
         )
+
+    def retrieve(self, question_vectors, question_pieces, mesh) -> Retrieved:
+        del question_vectors, mesh  # nothing is searched
+        return self(None, question_pieces)
+
+    def searches_in_step(self, mesh) -> bool:
+        del mesh
+        return False
+
+    def for_step(self, next_doc_ids, vectors_fn, question_pieces, next_questions_fn, mesh):
+        del next_doc_ids, vectors_fn, next_questions_fn, mesh
+        return self(None, question_pieces), None
+
+    def initial_doc_ids(self, search_fn, questions_fn, mesh):
+        del search_fn, questions_fn, mesh
+        return None
+
+
+# ---------------------------------------------------------------------------------------------
+# Encode + index
+
+
+@dataclasses.dataclass(frozen=True)
+class PassageEncoder:
+    """The passage tower and how it reads passages: what the stored vectors are a function of."""
+
+    cfg: object  # bert.BertConfig
+    params: dict
+    tokenizer: object
+    max_length: int
+    input_format: str  # "pair" | "single", see `encode.tokenize_passages`
+    batch_size: int = 128
+
+    @property
+    def fingerprint(self) -> str:
+        """The encoder's parameter fingerprint (`encode.encoder_fingerprint`)."""
+        return encode.encoder_fingerprint(self.cfg, self.params)
+
+    def encoding(self, store: PassageStore) -> dict:
+        """Everything the vectors of `store` depend on."""
+        return {
+            "encoder_fingerprint": self.fingerprint,
+            "corpus_checksum": store.checksum,
+            "tokenizer_fingerprint": tokenizer_fingerprint(self.tokenizer),
+            "max_length": self.max_length,
+            "input_format": self.input_format,
+            "compute_dtype": self.cfg.dtype,
+        }
+
+
+def encode_store(store: PassageStore, encoder: PassageEncoder) -> np.ndarray:
+    """[C, D] float32 vectors of every passage in the store.
+
+    Encoded on this process's devices: on several hosts each one encodes the whole corpus, for
+    its own replica of a host index, or for its own devices' rows of a `DeviceIndex` (the
+    encoder's default mesh refuses to span processes).
+    """
+    return encode.encode_passages(
+        encoder.cfg,
+        encoder.params,
+        encoder.tokenizer,
+        [store.title(i) for i in range(len(store))],
+        [store.text(i) for i in range(len(store))],
+        max_length=encoder.max_length,
+        input_format=encoder.input_format,
+        batch_size=encoder.batch_size,
+        dtype="float32",
+        mesh=sharding.data_mesh(jax.local_devices()),
+    )
+
+
+def index_provenance(index: Index) -> dict:
+    """The encoder fingerprint and corpus checksum an index carries."""
+    return {
+        "encoder_fingerprint": index.encoder_fingerprint,
+        "corpus_checksum": index.corpus_checksum,
+    }
+
+
+def make_index(vectors: np.ndarray, kind: str, mesh=None, **provenance) -> Index:
+    """The index `kind` names over `vectors` [C, D], carrying `provenance`
+    (`encoder_fingerprint`, `corpus_checksum`).
+
+    "exact" and "scann" search on the host; "device" shards the vectors over the `data` axis of
+    `mesh` (`DeviceIndex`; default: this process's devices) and searches there, one jitted
+    program per batch. A mesh that spans processes splits the corpus over the whole pod; every
+    process must then build it from the same vectors and search it together (see `DeviceIndex`).
+    """
+    if kind == "exact":
+        return ExactIndex(vectors, **provenance)
+    if kind == "scann":
+        return ScannIndex.build(vectors, **provenance)
+    if kind == "device":
+        if mesh is None:
+            mesh = sharding.data_mesh(jax.local_devices())
+        return DeviceIndex(vectors, mesh, **provenance)
+    raise ValueError(f"config.retrieval.index must be exact, scann or device, got {kind!r}")
+
+
+def saved_index_dir(cache_dir, encoder: PassageEncoder, store: PassageStore) -> pathlib.Path:
+    """Where `build` saves (and looks for) the index of `store` encoded by `encoder`."""
+    key = json.dumps(encoder.encoding(store), sort_keys=True).encode()
+    return pathlib.Path(cache_dir) / hashlib.sha256(key).hexdigest()[:16]
+
+
+def load_saved(directory, encoder: PassageEncoder, store: PassageStore) -> np.ndarray | None:
+    """The vectors an earlier `build` saved in `directory` for this encoder and store, or None
+    when there are none (or they were encoded otherwise, which the manifest says)."""
+    directory = pathlib.Path(directory)
+    if not (directory / "manifest.json").is_file():
+        return None
+    expected = encoder.encoding(store)
+    manifest = read_manifest(str(directory), None, kinds=("exact",))
+    if manifest.get("encoding") != expected:
+        return None
+    return ExactIndex.load(str(directory)).vectors
+
+
+def build(
+    store: PassageStore,
+    encoder: PassageEncoder,
+    *,
+    kind: str,
+    n_docs: int,
+    max_combined_length: int,
+    search_in_step: bool = False,
+    mesh=None,
+    cache_dir=None,
+) -> Retriever:
+    """The retriever of `store` encoded by `encoder`: encode the corpus and index it.
+
+    With `cache_dir`, an index saved there by an earlier build for the same encoder parameters,
+    corpus and encoding settings is loaded instead of encoding (a restore, a sibling run, a
+    resumed refresh), and a new encoding is saved there (process 0 writes). The saved form is
+    an exact index folder; ScaNN and device indexes are made from its vectors.
+
+    Args:
+      store: the passages.
+      encoder: the passage tower and its input settings.
+      kind: "exact" | "scann" | "device" (see `make_index`).
+      n_docs, max_combined_length, search_in_step: see `Retriever`.
+      mesh: the device index's mesh (default: this process's devices).
+      cache_dir: where encoded corpora are saved and looked for; None: always encode.
+    """
+    vectors = None
+    saved = saved_index_dir(cache_dir, encoder, store) if cache_dir else None
+    if saved is not None:
+        vectors = load_saved(saved, encoder, store)
+    if vectors is None:
+        vectors = encode_store(store, encoder)
+        if saved is not None and jax.process_index() == 0:
+            provenance = {"encoder_fingerprint": encoder.fingerprint}
+            exact = ExactIndex(vectors, corpus_checksum=store.checksum, **provenance)
+            exact.save(str(saved), encoding=encoder.encoding(store))
+    provenance = {"encoder_fingerprint": encoder.fingerprint, "corpus_checksum": store.checksum}
+    index = make_index(vectors, kind, mesh, **provenance)
+    if isinstance(index, ExactIndex):
+        vectors = index.vectors  # one copy of the vectors, not two
+    return Retriever(
+        index,
+        store,
+        vectors,
+        n_docs=n_docs,
+        max_combined_length=max_combined_length,
+        search_in_step=search_in_step,
+    )

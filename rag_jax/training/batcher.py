@@ -1,22 +1,34 @@
 """Host-side batch assembly for joint training: question tokens, answer labels and retrieval.
 
 A batch is a pure function of `(seed, step)`: which training examples (`data.batch_indices`), which
-target answer of each (`data.pick_target`), and the passages the question encoder retrieves for
-them (searched with the parameters the step trains, or given by the previous step's in-step
-search). On several hosts each process assembles only its own block of every global batch.
+target answer of each (`data.pick_target`), and the passages the retriever gives them
+(`Retriever.for_step`: searched with the parameters the step trains, or found by the previous
+step's in-step search). On several hosts each process assembles only its own block of every
+global batch.
 
 Legend: B batch, N docs, S context length, T target length, Q question length, P passage length.
 """
 
+import dataclasses
 import functools
+from typing import Any
 
 import jax
 import numpy as np
 
-from rag_jax import data, experiment, metrics, rag, sharding
-from rag_jax.retrieval import encode, retriever
-from rag_jax.retrieval.device_index import DeviceIndex
+from rag_jax import data, metrics, rag, sharding
+from rag_jax.retrieval import encode
+from rag_jax.retrieval.retriever import ClosedBook, Retrieved
 from rag_jax.training.inputs import answer_labels, context_width, label_width, question_tokens
+
+
+@dataclasses.dataclass
+class TrainBatch:
+    """One training batch, this process's rows."""
+
+    arrays: dict  # host arrays, [local B, ...] (per-doc tokens [local B, N, L])
+    retrieval: Any  # the train step's `retrieval` argument (`Retriever.for_step`)
+    recall: dict  # answer recall@N over the global batch, as (sum, count)
 
 
 class Batcher:
@@ -28,7 +40,11 @@ class Batcher:
     that spans the pod; `sharding.shard_batch` then joins the blocks.
     """
 
-    def __init__(self, exp: experiment.Experiment, mesh):
+    def __init__(self, exp, mesh):
+        """Args:
+        exp: the `experiment.Experiment` (config, tokenizers, store, training examples).
+        mesh: the `data` mesh batches are sharded over.
+        """
         self.exp, self.mesh = exp, mesh
         self.block, self.blocks = sharding.process_block(mesh)
         self.embed = jax.jit(functools.partial(rag.question_embeddings, exp.rag_cfg))
@@ -44,25 +60,20 @@ class Batcher:
         )
         return fields, pieces
 
-    def retrieve(self, params, fields, pieces):
-        """Encodes with the current question encoder and retrieves; returns host arrays.
-
-        `fields` and `pieces` hold this process's rows; so does the result. A `DeviceIndex`
-        that spans processes is searched by all of them together with the global batch; any
-        other index is this process's own and searched with its rows only.
-        """
+    def question_vectors(self, params, fields) -> jax.Array:
+        """[B, D] question vectors of this process's rows `fields`, the global batch sharded
+        over the mesh (a collective on several processes)."""
         ids, mask = sharding.shard_batch(
             self.mesh, (fields["question_input_ids"], fields["question_attention_mask"])
         )
-        q = self.embed(params, ids, mask)  # -> [B, D], sharded over the batch
-        index = getattr(self.exp.retriever, "index", None)  # ClosedBook has none
-        if isinstance(index, DeviceIndex) and not index.vectors.is_fully_addressable:
-            scores, doc_ids = index.search(q, self.exp.rag_cfg.n_docs)  # -> [B, N] replicated
-            own = functools.partial(sharding.own_rows, mesh=self.mesh)
-            return self.exp.retriever.gather(own(doc_ids), pieces, own(scores))
-        return self.exp.retriever(sharding.local_rows(q), pieces)  # [local B, D] queries
+        return self.embed(params, ids, mask)
 
-    def contexts(self, hits: retriever.Retrieved) -> tuple[np.ndarray, np.ndarray]:
+    def retrieve(self, params, fields, pieces, retriever) -> Retrieved:
+        """Encodes with the question encoder in `params` and retrieves for this process's rows
+        (`Retriever.retrieve`)."""
+        return retriever.retrieve(self.question_vectors(params, fields), pieces, self.mesh)
+
+    def contexts(self, hits: Retrieved) -> tuple[np.ndarray, np.ndarray]:
         """The generator inputs [local B * N, W] of `hits`, W = `context_width` of the global
         batch (a collective on several processes: every process pads to the longest of all)."""
         width = sharding.max_over_processes(
@@ -74,9 +85,9 @@ class Batcher:
         )
         return hits.context_input_ids[:, :width], hits.context_attention_mask[:, :width]
 
-    def passage_tokens(self, doc_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def passage_tokens(self, doc_ids: np.ndarray, store) -> tuple[np.ndarray, np.ndarray]:
         """Passage-encoder inputs [B * N, P] of the retrieved passages, as the index reads them."""
-        c, store = self.exp.config, self.exp.store
+        c = self.exp.config
         rows = encode.tokenize_passages(
             self.exp.question_tokenizer,
             [store.title(int(j)) for j in doc_ids.reshape(-1)],
@@ -121,21 +132,23 @@ class Batcher:
         )
         self._prepared[step] = (examples, fields, pieces, labels)
 
+    def prepare_ahead(self, step: int) -> None:
+        """Prepares the batches the next `train_batch(step)` reads: `step`, and `step + 1` (whose
+        questions an in-step search embeds)."""
+        self.prepare(step)
+        self.prepare(step + 1)
+
     def question_fields(self, step: int) -> dict[str, np.ndarray]:
         """Question-encoder inputs of batch `step` (this process's rows), for an in-step search."""
         self.prepare(step)
         return self._prepared[step][1]
 
-    def train_batch(self, params, step: int, doc_ids: np.ndarray | None = None):
-        """Batch `step` (this process's rows) and its answer recall over the global batch.
-
-        The passages are retrieved with the question encoder in `params`, or are `doc_ids`
-        [local B, N] when the previous step already searched for them (`params` unused).
-        """
+    def train_batch(self, state, step: int, retriever) -> TrainBatch:
+        """Batch `step` (this process's rows), its passages from `retriever` for the parameters
+        of `state`, and its answer recall over the global batch."""
         c = self.exp.config
         self.prepare(step)
         examples, fields, pieces, labels = self._prepared[step]
-        self._prepared = {k: v for k, v in self._prepared.items() if k > step}
         width = sharding.max_over_processes(  # every process pads to the global batch's longest
             label_width(
                 labels,
@@ -145,13 +158,17 @@ class Batcher:
             )
         )
         labels = labels[:, :width]
-        if doc_ids is None:
-            hits = self.retrieve(params, fields, pieces)
-        else:
-            hits = self.exp.retriever.gather(doc_ids, pieces)
+        hits, retrieval = retriever.for_step(
+            state.next_doc_ids,
+            lambda: self.question_vectors(state.params, fields),
+            pieces,
+            lambda: sharding.shard_batch(self.mesh, self.question_fields(step + 1)),
+            self.mesh,
+        )
+        self._prepared = {k: v for k, v in self._prepared.items() if k > step}
         shape = hits.doc_ids.shape + (-1,)  # -> [B, N, S]
         context_ids, context_mask = self.contexts(hits)
-        batch = dict(
+        arrays = dict(
             fields,
             doc_vectors=hits.doc_vectors,
             context_input_ids=context_ids.reshape(shape),
@@ -159,15 +176,15 @@ class Batcher:
             labels=labels,
         )
         if c.retrieval.refresh_every:  # a trainable passage encoder re-encodes them
-            ids, mask = self.passage_tokens(hits.doc_ids)
-            batch.update(
+            ids, mask = self.passage_tokens(hits.doc_ids, retriever.store)
+            arrays.update(
                 passage_input_ids=ids.reshape(shape), passage_attention_mask=mask.reshape(shape)
             )
         recall = {}
-        if not isinstance(self.exp.retriever, retriever.ClosedBook):
+        if not isinstance(retriever, ClosedBook):
             recall = metrics.answer_recall(
                 [e.answers for e in examples],
-                [[self.exp.store.text(int(j)) for j in row] for row in hits.doc_ids],
+                [[retriever.store.text(int(j)) for j in row] for row in hits.doc_ids],
                 [self.exp.rag_cfg.n_docs],
             )
-        return batch, sharding.sum_over_processes(recall)  # over the global batch
+        return TrainBatch(arrays, retrieval, sharding.sum_over_processes(recall))

@@ -34,25 +34,7 @@ from rag_jax.retrieval.device_index import DeviceIndex
 from rag_jax.training import refresh
 from rag_jax.training.batcher import Batcher
 from rag_jax.training.optim import make_optimizer
-from rag_jax.training.step import TrainState, make_train_step, search_ids
-
-
-def step_index(config: ml_collections.ConfigDict, exp: experiment.Experiment, mesh):
-    """The `DeviceIndex` the train step searches for the next batch, or None.
-
-    The search runs inside the step when `config.retrieval.index` is "device",
-    `config.retrieval.search_in_step` is on, the stored vectors never change (no refresh) and the
-    index lives on the step's devices (training on all devices, of one process or of a pod);
-    otherwise each batch is retrieved between the steps.
-    """
-    r = config.retrieval
-    if r.index != "device" or not r.search_in_step or r.refresh_every:
-        return None
-    index = getattr(exp.retriever, "index", None)  # ClosedBook has none
-    if not isinstance(index, DeviceIndex) or index.axis != sharding.DATA_AXIS:
-        return None
-    return index if list(index.mesh.devices.flat) == list(mesh.devices.flat) else None
-
+from rag_jax.training.step import TrainState, init_state, make_train_step, search_ids
 
 # ---------------------------------------------------------------------------------------------
 # The loop
@@ -115,44 +97,58 @@ def _check_memory(compiled, state: TrainState, exp: experiment.Experiment, mesh)
         )
 
 
-def _init_state(exp: experiment.Experiment, tx, mesh) -> TrainState:
+def _init_state(exp: experiment.Experiment, retriever, batcher: Batcher, tx, mesh) -> TrainState:
+    """The state before the first step; with an in-step search, it carries the first batch's
+    passages (each later step searches for the next)."""
     params = sharding.replicate(mesh, exp.params)
-    next_ids = None
-    if step_index(exp.config, exp, mesh) is not None:  # filled in before the first step
-        shape = (exp.config.train.batch_size, exp.rag_cfg.n_docs)
-        next_ids = sharding.replicate(mesh, np.zeros(shape, np.int32))
-    return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params), next_ids)
+    search = functools.partial(_first_search, exp.rag_cfg, params)
+    first = lambda: sharding.shard_batch(mesh, batcher.question_fields(0))  # noqa: E731
+    return init_state(params, tx, retriever.initial_doc_ids(search, first, mesh))
 
 
-def _abstract_state(init_fn, mesh) -> TrainState:
-    """The shapes of `init_fn()`, replicated over `mesh`, as the target of a restore.
+@functools.partial(jax.jit, static_argnums=0)
+def _first_search(rag_cfg, params, index, questions):
+    return search_ids(rag_cfg, params, index, questions, rag_cfg.n_docs)
+
+
+def _abstract_state(exp: experiment.Experiment, tx, mesh) -> TrainState:
+    """The shapes of the train state, replicated over `mesh`, as the target of a restore (no
+    parameter is copied, nothing is searched).
 
     `jax.eval_shape` drops placements; without them a restore lands on one local device, and on
     several hosts each process would hold its own unreplicated copy.
     """
+    next_ids = None
+    if exp.searches_in_step(mesh):
+        shape = (exp.config.train.batch_size, exp.rag_cfg.n_docs)
+        next_ids = jax.ShapeDtypeStruct(shape, jnp.int32)
     where = sharding.replicated(mesh)
-    to_struct = lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=where)
-    return jax.tree.map(to_struct, jax.eval_shape(init_fn))
+    to_struct = lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=where)  # noqa: E731
+    shapes = jax.eval_shape(lambda: init_state(exp.params, tx, next_ids))
+    return jax.tree.map(to_struct, shapes)
 
 
 def restore(workdir, config: ml_collections.ConfigDict | None = None, exp=None):
-    """The newest checkpoint in `workdir` (config read from beside it unless given).
+    """The newest checkpoint in `workdir` (config read from beside it unless given), with the
+    experiment whose retriever is the checkpoint's passage encoder's: its index is loaded from
+    `<workdir>/index` when the run saved it (a frozen passage encoder, or the final index of a
+    refreshing run), encoded otherwise.
 
     Returns:
       (experiment, TrainState, step).
     """
     workdir = pathlib.Path(workdir).absolute()
     config = settings.complete(config or checkpoints.load_config(workdir))
-    exp = exp or experiment.build(config, workdir)
+    exp = exp or experiment.build(config, workdir, retriever=False)
     mesh = device_mesh(config)
-    init = functools.partial(_init_state, exp, make_optimizer(config.train), mesh)
     ckpt_root = config.train.checkpoint_dir or workdir  # e.g. gs://bucket/run
     with checkpoints.Checkpointer(ckpt_root, read_only=True) as ckpt:
-        restored = ckpt.restore_latest(_abstract_state(init, mesh))
+        restored = ckpt.restore_latest(_abstract_state(exp, make_optimizer(config.train), mesh))
     if restored is None:
         raise FileNotFoundError(f"no checkpoint in {checkpoints.checkpoint_dir(ckpt_root)}")
     state, step = restored
-    return exp, state, step
+    passage_params = sharding.replicated_to_host(state.params["passage_encoder"])
+    return exp.with_retriever(passage_params), state, step
 
 
 class _Logger:
@@ -201,6 +197,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir) -> dict:
     """
     workdir = pathlib.Path(workdir).absolute()
     sharding.maybe_initialize_distributed()
+    # First, before any work: a SIGTERM during the store build, the encoding or a warm start is a
+    # preemption too, not an exit with nothing said.
+    checkpoints.install_preemption_handler()
     mesh = device_mesh(config)
     settings.validate(config, mesh.size)
     exp = experiment.build(config, workdir)
@@ -208,28 +207,26 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir) -> dict:
     tx = make_optimizer(tc)
     rng = jax.random.PRNGKey(config.seed)
     dropout_rng = jax.random.fold_in(rng, 1)
+    batcher = Batcher(exp, mesh)
 
-    init_state = functools.partial(_init_state, exp, tx, mesh)
-    checkpoints.install_preemption_handler()
+    init = functools.partial(_init_state, exp, exp.retriever, batcher, tx, mesh)
     # Several hosts need checkpoints on storage they share: a gs:// bucket or a shared workdir.
     ckpt = checkpoints.Checkpointer(
         tc.checkpoint_dir or workdir,
         max_to_keep=tc.keep_checkpoints,
         save_interval_steps=tc.save_every,
     )
-    state, restored = ckpt.restore_or_init(init_state, _abstract_state(init_state, mesh))
+    state, restored = ckpt.restore_or_init(init, _abstract_state(exp, tx, mesh))
     state = sharding.replicate(mesh, state)
     start = int(restored or 0)
     if restored is not None:
         print(f"resumed from checkpoint step {restored} in {ckpt.directory}", flush=True)
-    refresher = None
-    if config.retrieval.refresh_every:  # a trainable passage encoder
-        every = config.retrieval.refresh_every
-        lag = config.retrieval.refresh_lag or max(1, every // 2)
-        refresher = refresh.IndexRefresher(exp, workdir, every, lag)
-        refresher.resume(start)
+    retrievers = refresh.schedule(exp, workdir, start)  # which retriever serves each step
     logger = _Logger(workdir)
     eval_examples = exp.eval[: config.eval.max_examples or None]
+
+    def evaluate_now(params, retriever):
+        return evaluate(exp, params, eval_examples, mesh=mesh, variant=variant, retriever=retriever)
 
     before_path = workdir / "eval_before.json"
     if not config.eval.enabled:
@@ -237,27 +234,22 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir) -> dict:
     elif sharding.from_process0(before_path.is_file()):  # evaluate on all hosts or on none
         before = json.loads(before_path.read_text()) if before_path.is_file() else {}
     else:
-        before, _ = evaluate(exp, state.params, eval_examples, mesh=mesh, variant=variant)
+        before, _ = evaluate_now(state.params, retrievers.retriever)
         if jax.process_index() == 0:
             files.write_atomic(before_path, json.dumps(before).encode())
         logger.write(start, before, "eval/")
     print(f"before training: {json.dumps(before)}", flush=True)
 
-    index = step_index(config, exp, mesh)
+    in_step = exp.retriever.searches_in_step(mesh)
     step_fn = make_train_step(
         exp.rag_cfg,
         variant,
         tx,
         dropout_rng,
         config.model.deterministic,
-        exp.passage_cfg if refresher else None,
-        search_n_docs=exp.rag_cfg.n_docs if index is not None else 0,
+        exp.passage_cfg if config.retrieval.refresh_every else None,
+        search_n_docs=exp.rag_cfg.n_docs * in_step,
     )
-    batcher = Batcher(exp, mesh)
-    if index is not None and restored is None:  # the first batch's passages; later steps search
-        search = jax.jit(functools.partial(search_ids, exp.rag_cfg), static_argnums=3)
-        first = sharding.shard_batch(mesh, batcher.question_fields(start))
-        state = state.replace(next_doc_ids=search(state.params, index, first, exp.rag_cfg.n_docs))
     totals: dict = {}
     last_log = time.perf_counter()
     bar = tqdm.tqdm(total=tc.steps, initial=start, desc="train", disable=jax.process_index() != 0)
@@ -267,18 +259,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir) -> dict:
             ckpt.save(step, state, config, force=True)
             print(f"preempted: saved step {step}", flush=True)
             break
-        if refresher:
-            refresher.before_step(step, state.params)
-        if index is None:
-            host_batch, recall = batcher.train_batch(state.params, step)
-            inputs = (sharding.shard_batch(mesh, host_batch),)
-        else:
-            doc_ids = sharding.own_rows(state.next_doc_ids, mesh)  # -> [local B, N]
-            host_batch, recall = batcher.train_batch(None, step, doc_ids)
-            next_questions = sharding.shard_batch(mesh, batcher.question_fields(step + 1))
-            inputs = (sharding.shard_batch(mesh, host_batch), (index, next_questions))
-        # batches.context_width and batches.label_width
-        width = (host_batch["context_input_ids"].shape[-1], host_batch["labels"].shape[-1])
+        batch = batcher.train_batch(state, step, retrievers.at(step, state.params))
+        inputs = (sharding.shard_batch(mesh, batch.arrays), batch.retrieval)
+        # training.inputs.context_width and label_width
+        width = (batch.arrays["context_input_ids"].shape[-1], batch.arrays["labels"].shape[-1])
         with jax.transfer_guard("disallow"):
             if not compiled:  # ahead of the first call: the widest step's memory is checked
                 widest = (exp.rag_cfg.max_combined_length, config.data.answer_length)
@@ -288,8 +272,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir) -> dict:
                 compiled[width] = step_fn.lower(state, *inputs).compile()
             state, step_metrics = compiled[width](state, *inputs)
         step += 1
-        if step < tc.steps:  # the next batch's host work runs while the device runs this step
-            batcher.prepare(step if index is None else step + 1)
+        if step < tc.steps:  # the next batches' host work runs while the device runs this step
+            batcher.prepare_ahead(step)
         step_values = jax.device_get(step_metrics)
         # Checked every step, before this state can be saved: a checkpoint is never non-finite.
         bad = [k for k, (total, _) in step_values.items() if not np.isfinite(total)]
@@ -301,7 +285,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir) -> dict:
                 f"(non-finite: {bad}); stopped without saving it. The last good checkpoint, step "
                 f"{ckpt.latest_step()}, is kept in {ckpt.directory}"
             )
-        totals = metrics.merge_metrics(totals, recall, step_values)
+        totals = metrics.merge_metrics(totals, batch.recall, step_values)
         bar.update(1)
         if step % tc.log_every == 0 or step == tc.steps:
             values = metrics.reduce_metrics(totals)
@@ -319,16 +303,15 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir) -> dict:
         ckpt.save(step, state, config, force=step == tc.steps)
         every = config.eval.every
         if config.eval.enabled and every and step % every == 0 and step < tc.steps:
-            during, _ = evaluate(exp, state.params, eval_examples, mesh=mesh, variant=variant)
+            during, _ = evaluate_now(state.params, retrievers.retriever)
             logger.write(step, during, "eval/")  # learning curves; the final eval follows
     bar.close()
     ckpt.close()
-    if refresher:
-        refresher.finish(state.params)  # evaluate against the final passage encoder's index
+    retriever = retrievers.finish(state.params)  # the final passage encoder's index
 
     after, predictions = {}, []
     if config.eval.enabled:
-        after, predictions = evaluate(exp, state.params, eval_examples, mesh=mesh, variant=variant)
+        after, predictions = evaluate_now(state.params, retriever)
         logger.write(step, after, "eval/")
     logger.close()
     if jax.process_index() == 0 and config.eval.enabled:
@@ -342,6 +325,6 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir) -> dict:
         "em_before": em_before,
         "em_after": em_after,
         "steps": step,
-        "search_in_step": index is not None,
+        "search_in_step": in_step,
         "eval": after,
     }

@@ -1,474 +1,168 @@
-"""Unsupervised warm start of both retriever towers with the inverse cloze task (ICT).
+"""The warm starts a run's config asks for, each cached by a fingerprint of what it depends on.
 
-ICT (Lee et al. 2019, ORQA; also REALM's retriever pre-training) turns an unlabelled corpus into
-retrieval training data: one sentence of a passage is the query, the rest of that passage is its
-positive, and the other passages of the batch are the negatives. With probability `keep_prob`
-(ORQA: 0.1) the sentence is left in its passage, so the towers also learn that a passage holding
-the query's words verbatim is a match. The loss is the softmax cross-entropy over the in-batch
-scores `q . d`, the same dot product RAG's retriever ranks by. Randomly initialised towers rank
-by chance (separate inits) or by crude token overlap (one shared init); after ICT they rank the
-passages that share a query's context (on the synthetic world: its entity) first, which gives
-joint RAG training gold passages in the top-k to learn from.
+- `retriever(...)`: both retriever towers after the inverse cloze task (`training.ict`) on the
+  run's own passages, no QA pairs (`config.warm_start.method = "ict"`);
+- `generator(...)`: the generator after reading on *another* synthetic world
+  (`training.reader`, `config.warm_start.reader_steps`).
 
-Legend: B batch, Q query length, P passage length, D embedding width, C corpus size (passages),
-M sentences over the whole corpus.
-
-Sentences: a passage's text is split after every sentence-final punctuation mark (".", "?", "!")
-that is followed by whitespace, i.e. on ". ", "? " and "! " (`split_sentences`). This is
-deliberately simple: abbreviations ("Dr. Who") split too. A passage with a single sentence uses
-its whole text as the query and keeps it in the positive (there is nothing else to keep).
-
-Inputs are tokenised exactly as the rest of the project encodes them: a query is
-`tokenizer(sentence)` truncated and padded to Q; a positive is what `encode.tokenize_passages`
-makes of (title, text) with `input_format=passage_format` ("pair": `[CLS] title [SEP] text [SEP]`;
-"single": `title + " " + text`), truncated and padded to P. Every batch has the same [B, Q] and
-[B, P] shapes, so the step compiles once.
-
-Batches are a pure function of `(seed, step)`: epoch `e` visits the passages in the order of a
-permutation drawn from `(seed, e)` (the last `C mod B` passages of each permutation are skipped, so
-batches never repeat a passage), and the sentence and the keep draw of each example come from
-`(seed, step)`. Dropout keys are `fold_in(dropout_rng, step)`, from an "rbg" key (XLA's
-RngBitGenerator: on CPU the step compiles in about half the time it takes with threefry, and
-dropout needs no cross-backend reproducibility). Same seed and machine, same parameters, bitwise.
-
-The tokenised corpus is held in memory (int32 ids and masks: 8 (Q + P) bytes per sentence plus
-8 P per passage) and the step runs on the default device: this is a warm start for corpora of up
-to some 1e5 passages, not a pre-training pipeline for Wikipedia.
-
-Optimisation (`training.optim.WARM_START`): AdamW with linear warmup over the first tenth of the
-steps and linear decay to zero (BERT's schedule), weight decay on matrices only (not on biases or
-LayerNorm parameters) and gradient clipping at global norm 1, the usual recipe for fine-tuning BERT
-towers.
+A warm start is a deterministic function of what its key lists (seed, data, initial parameters,
+settings), so it is stored in `<warm_start.cache_dir or workdir>/warm_start/<fingerprint>.msgpack`
+and a resume, or another run sharing `cache_dir`, reuses it; any change recomputes it.
 """
 
 import dataclasses
-import functools
-import re
-from collections.abc import Sequence
+import hashlib
+import json
+import pathlib
 
+import flax.serialization
 import jax
-import jax.numpy as jnp
-import numpy as np
-import optax
 
-from rag_jax import rag
-from rag_jax.models import bert
-from rag_jax.retrieval import encode
-from rag_jax.training.inputs import answer_labels
-from rag_jax.training.optim import make_optimizer, warm_start_settings
-from rag_jax.training.step import init_state, make_step
+from rag_jax import data, synthetic
+from rag_jax.retrieval import encode, files
+from rag_jax.retrieval.build import workdir_store
+from rag_jax.retrieval.corpus import Passage
+from rag_jax.retrieval.store import tokenizer_fingerprint
+from rag_jax.training import ict, reader
 
-# A sentence ends at ".", "?" or "!" followed by whitespace (see the module docstring).
-_SENTENCE_END = re.compile(r"(?<=[.?!])\s+")
-_DATA, _DROPOUT, _READER = 0, 1, 2  # named streams of the seed
+# The reader warm start's world: another seed, so other entities and independently drawn facts.
+READER_WORLD_SEED_OFFSET = 1_000_003
 
 
-def split_sentences(text: str) -> list[str]:
-    """Splits `text` after every ".", "?" or "!" followed by whitespace.
-
-    Args:
-      text: passage text.
-
-    Returns:
-      The non-empty sentences, stripped, in order; [] for blank text.
-    """
-    return [s for s in (p.strip() for p in _SENTENCE_END.split(text.strip())) if s]
-
-
-@dataclasses.dataclass(frozen=True)
-class IctData:
-    """The corpus tokenised once for ICT; `ict_batch` only gathers rows of these arrays.
-
-    Sentence rows of passage c are `first_sentence[c] : first_sentence[c] + num_sentences[c]`.
-    """
-
-    query_ids: np.ndarray  # [M, Q] int32: each sentence as a query, padded
-    query_mask: np.ndarray  # [M, Q] int32: 1 = token
-    context_ids: np.ndarray  # [M, P] int32: the passage without that sentence (or whole if single)
-    context_mask: np.ndarray  # [M, P] int32
-    passage_ids: np.ndarray  # [C, P] int32: the whole passage (the `keep_prob` positive)
-    passage_mask: np.ndarray  # [C, P] int32
-    first_sentence: np.ndarray  # [C] int64: row of the passage's first sentence
-    num_sentences: np.ndarray  # [C] int64: sentences of the passage (>= 1)
-
-    @property
-    def num_passages(self) -> int:
-        return self.passage_ids.shape[0]
+def cached(label: str, key: dict, template: dict, compute, directory) -> dict:
+    """`compute()` (parameter trees shaped like `template`), cached in
+    `<directory>/<fingerprint of key>.msgpack`."""
+    fingerprint = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    directory = pathlib.Path(directory)
+    path = directory / f"{fingerprint}.msgpack"
+    if path.is_file():
+        try:
+            value = flax.serialization.from_bytes(jax.device_get(template), path.read_bytes())
+        except Exception as e:  # msgpack/structure errors name neither the file nor the cause
+            raise ValueError(f"{path}: corrupt warm-start cache ({e}); delete it") from e
+        print(f"{label}: reusing {path}", flush=True)
+        return value
+    value = jax.device_get(compute())
+    if jax.process_index() == 0:
+        directory.mkdir(parents=True, exist_ok=True)
+        files.write_atomic(path, flax.serialization.to_bytes(value))
+    return value
 
 
-def _padded(rows: list[list[int]], length: int, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
-    """Token id lists (each at most `length` long) -> ([R, length] ids, [R, length] mask)."""
-    ids = np.full((len(rows), length), pad_id, np.int32)
-    mask = np.zeros((len(rows), length), np.int32)
-    for i, row in enumerate(rows):
-        ids[i, : len(row)] = row
-        mask[i, : len(row)] = 1
-    return ids, mask
+def cache_dir(config, workdir) -> pathlib.Path:
+    """Where the warm starts of a run are cached."""
+    return pathlib.Path(config.warm_start.cache_dir or workdir) / "warm_start"
 
 
-def prepare_ict_data(
-    tokenizer,
-    passages: Sequence[tuple[str, str]],
-    *,
-    query_length: int,
-    passage_length: int,
-    passage_format: str = "pair",
-    vocab_size: int | None = None,
-) -> IctData:
-    """Splits and tokenises every passage for ICT.
-
-    Args:
-      tokenizer: the retriever's HF tokenizer (both towers share it, as in DPR).
-      passages: C (title, text) pairs; every text must hold at least one sentence.
-      query_length: Q, tokens per query after truncation, special tokens included.
-      passage_length: P, tokens per passage after truncation, special tokens included.
-      passage_format: "pair" or "single", as `encode.tokenize_passages`' `input_format`.
-      vocab_size: when given, every token id must be below it (the encoder's vocabulary).
-
-    Returns:
-      The padded arrays (see `IctData`).
-    """
-    if passage_format not in encode.INPUT_FORMATS:
-        raise ValueError(
-            f"passage_format must be one of {encode.INPUT_FORMATS}, got {passage_format!r}"
-        )
-    if not passages:
-        raise ValueError("passages is empty: ICT needs at least two passages")
-    titles, queries, context_titles, contexts, counts = [], [], [], [], []
-    for c, record in enumerate(passages):
-        if not isinstance(record, (tuple, list)) or len(record) != 2:
-            raise ValueError(f"passages[{c}] must be a (title, text) pair, got {record!r}")
-        title, text = record
-        sentences = split_sentences(text)
-        if not sentences:
-            raise ValueError(f"passages[{c}] (title {title!r}) has no text: {text!r}")
-        titles.append(title)
-        counts.append(len(sentences))
-        queries += sentences
-        if len(sentences) == 1:
-            contexts.append(text)
-        else:
-            for j in range(len(sentences)):
-                contexts.append(" ".join(sentences[:j] + sentences[j + 1 :]))
-        context_titles += [title] * len(sentences)
-    texts = [text for _, text in passages]
-    pad_id = tokenizer.pad_token_id
-    query_rows = tokenizer(queries, truncation=True, max_length=query_length)["input_ids"]
-    tokenize = functools.partial(
-        encode.tokenize_passages, max_length=passage_length, input_format=passage_format
-    )
-    query_ids, query_mask = _padded(query_rows, query_length, pad_id)
-    context_rows = tokenize(tokenizer, context_titles, contexts)
-    context_ids, context_mask = _padded(context_rows, passage_length, pad_id)
-    passage_ids, passage_mask = _padded(tokenize(tokenizer, titles, texts), passage_length, pad_id)
-    if vocab_size is not None:
-        for name, ids in (("query", query_ids), ("passage", passage_ids), ("context", context_ids)):
-            if ids.max() >= vocab_size:
-                raise ValueError(
-                    f"the tokenizer produced {name} token id {ids.max()} but the encoder's "
-                    f"vocab_size is {vocab_size}; use the encoder's own tokenizer"
-                )
-    counts = np.asarray(counts, np.int64)
-    first = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
-    return IctData(
-        query_ids, query_mask, context_ids, context_mask, passage_ids, passage_mask, first, counts
-    )
-
-
-def ict_batch(
-    data: IctData, *, seed: int, step: int, batch_size: int, keep_prob: float
-) -> dict[str, np.ndarray]:
-    """The ICT batch of `step`, a pure function of `(seed, step)` (see the module docstring).
-
-    Args:
-      data: the tokenised corpus.
-      seed: the run's seed.
-      step: the 0-based step.
-      batch_size: B, at most C.
-      keep_prob: probability that the query sentence stays in its positive.
-
-    Returns:
-      {"query_ids", "query_mask": [B, Q] int32, "passage_ids", "passage_mask": [B, P] int32,
-       "passage_rows": [B] int64 corpus rows, "sentence_rows": [B] int64 query rows of `data`,
-       "kept": [B] bool whether the positive is the whole passage}.
-    """
-    if not 1 <= batch_size <= data.num_passages:
-        raise ValueError(f"batch_size={batch_size} must be in [1, {data.num_passages}] (passages)")
-    if step < 0:
-        raise ValueError(f"step must be >= 0, got {step}")
-    per_epoch = data.num_passages // batch_size
-    epoch, position = divmod(step, per_epoch)
-    order = np.random.default_rng((seed, _DATA, 0, epoch)).permutation(data.num_passages)
-    rows = order[position * batch_size : (position + 1) * batch_size]  # -> [B]
-    rng = np.random.default_rng((seed, _DATA, 1, step))
-    counts = data.num_sentences[rows]
-    sentence_rows = data.first_sentence[rows] + rng.integers(0, counts)  # -> [B]
-    # A single-sentence passage's context already is the whole passage.
-    kept = (rng.random(batch_size) < keep_prob) | (counts == 1)
-    return {
-        "query_ids": data.query_ids[sentence_rows],
-        "query_mask": data.query_mask[sentence_rows],
-        "passage_ids": np.where(
-            kept[:, None], data.passage_ids[rows], data.context_ids[sentence_rows]
-        ),
-        "passage_mask": np.where(
-            kept[:, None], data.passage_mask[rows], data.context_mask[sentence_rows]
-        ),
-        "passage_rows": rows,
-        "sentence_rows": sentence_rows,
-        "kept": kept,
+def retriever(config, rag_cfg, passage_cfg, params, tokenizer, store, workdir) -> dict:
+    """`params` with both retriever towers after the ICT warm start on `store`'s passages."""
+    if passage_cfg != rag_cfg.question_encoder:
+        raise ValueError("the ICT warm start needs both towers to share one architecture")
+    w = config.warm_start
+    names = ("question_encoder", "passage_encoder")
+    towers = {k: params[k] for k in names}
+    key = {
+        "warm_start": {
+            k: v for k, v in w.items() if k != "cache_dir" and not k.startswith("reader_")
+        },
+        "retrieval": {k: config.retrieval[k] for k in ("passage_max_length", "passage_format")},
+        "question_length": config.data.question_length,
+        "seed": config.seed,
+        "corpus": store.checksum,
+        "question_encoder": encode.encoder_fingerprint(passage_cfg, towers["question_encoder"]),
+        "passage_encoder": encode.encoder_fingerprint(passage_cfg, towers["passage_encoder"]),
     }
 
-
-def ict_loss(query_vectors: jax.Array, passage_vectors: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """In-batch softmax cross-entropy: query b's positive is passage b, the others are negatives.
-
-    Args:
-      query_vectors: [B, D] float32.
-      passage_vectors: [B, D] float32.
-
-    Returns:
-      (mean loss, fraction of queries whose own passage scores highest), both [] float32.
-    """
-    if query_vectors.ndim != 2 or query_vectors.shape != passage_vectors.shape:
-        raise ValueError(
-            f"query_vectors {query_vectors.shape} and passage_vectors {passage_vectors.shape} "
-            "must both be [B, D]"
+    def compute():
+        q_params, p_params, log = ict.ict_warm_start(
+            rag_cfg.question_encoder,
+            params["question_encoder"],
+            params["passage_encoder"],
+            tokenizer,
+            [(store.title(i), store.text(i)) for i in range(len(store))],
+            steps=w.steps,
+            batch_size=w.batch_size,
+            learning_rate=w.learning_rate,
+            seed=config.seed,
+            query_length=config.data.question_length,
+            passage_length=config.retrieval.passage_max_length,
+            keep_prob=w.keep_prob,
+            passage_format=config.retrieval.passage_format,
         )
-    scores = jnp.einsum("bd,cd->bc", query_vectors, passage_vectors)  # -> [B, B]
-    labels = jnp.arange(scores.shape[0])
-    loss = optax.softmax_cross_entropy_with_integer_labels(scores, labels).mean()
-    accuracy = (jnp.argmax(scores, axis=-1) == labels).mean()
-    return loss, accuracy
-
-
-@functools.cache
-def _make_ict_step(cfg: bert.BertConfig, learning_rate: float, steps: int, deterministic: bool,
-                   seed: int):  # fmt: skip
-    """(optimizer, the jitted ICT step `(state, batch) -> (state, metrics)`), made by
-    `training.step.make_step`. Cached, so warm starts with the same settings share one compiled
-    step."""
-    encoder = bert.BertEncoder(cfg)
-    tx = make_optimizer(warm_start_settings(learning_rate, steps))
-
-    def loss_fn(params, batch, step_rng):
-        q_rng, p_rng = jax.random.split(step_rng)
-        q, _ = encoder.apply(
-            {"params": params["question"]},
-            batch["query_ids"],
-            batch["query_mask"],
-            deterministic=deterministic,
-            rngs={"dropout": q_rng},
-        )  # -> [B, D]
-        d, _ = encoder.apply(
-            {"params": params["passage"]},
-            batch["passage_ids"],
-            batch["passage_mask"],
-            deterministic=deterministic,
-            rngs={"dropout": p_rng},
-        )  # -> [B, D]
-        loss, accuracy = ict_loss(q, d)
-        return loss, accuracy
-
-    # An "rbg" key (XLA's RngBitGenerator): on CPU the step compiles in about half the time.
-    dropout_rng = jax.random.fold_in(jax.random.key(seed, impl="rbg"), _DROPOUT)
-    metrics_fn = lambda loss, accuracy, grads: {"loss": loss, "in_batch_accuracy": accuracy}
-    return tx, make_step(loss_fn, tx, dropout_rng=dropout_rng, metrics_fn=metrics_fn)
-
-
-def ict_warm_start(
-    cfg: bert.BertConfig,
-    question_params,
-    passage_params,
-    tokenizer,
-    passages: Sequence[tuple[str, str]],
-    *,
-    steps: int,
-    batch_size: int,
-    learning_rate: float,
-    seed: int,
-    query_length: int,
-    passage_length: int,
-    keep_prob: float = 0.1,
-    passage_format: str = "pair",
-    deterministic: bool = True,
-    log_every: int = 10,
-) -> tuple[dict, dict, list[dict]]:
-    """Trains the question and passage towers with ICT on `passages`.
-
-    The towers share `cfg` but not parameters: each starts from its own argument (which may be the
-    same tree; the arguments are copied, never modified).
-
-    Args:
-      cfg: the encoders' configuration.
-      question_params: initial question-tower `BertEncoder` parameters.
-      passage_params: initial passage-tower `BertEncoder` parameters.
-      tokenizer: the retriever's HF tokenizer.
-      passages: C (title, text) pairs, the corpus; C >= batch_size.
-      steps: training steps, >= 1.
-      batch_size: B, queries per step (B - 1 in-batch negatives each), in [2, C].
-      learning_rate: peak AdamW learning rate, > 0.
-      seed: determines the batches, the keep draws and dropout.
-      query_length: Q, tokens per query.
-      passage_length: P, tokens per passage.
-      keep_prob: probability that the query sentence stays in its positive, in [0, 1].
-      passage_format: "pair" (title [SEP] text) or "single" (title + " " + text).
-      deterministic: no dropout; when False, dropout at `cfg`'s rates with keys drawn from `seed`.
-      log_every: steps per log entry; the last step is always logged.
-
-    Returns:
-      (question_params, passage_params, log), where each log entry is {"step": steps done,
-      "loss", "in_batch_accuracy": means over the steps since the previous entry}.
-
-    Raises:
-      ValueError: an argument out of range, naming it.
-      FloatingPointError: a non-finite loss, naming the step.
-    """
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"steps must be a positive int, got {steps!r}")
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 2:
-        raise ValueError(f"batch_size must be an int >= 2 (in-batch negatives), got {batch_size!r}")
-    if not len(passages):
-        raise ValueError("passages is empty: ICT needs at least batch_size passages")
-    if batch_size > len(passages):
-        raise ValueError(
-            f"batch_size={batch_size} exceeds the number of passages ({len(passages)}); "
-            f"use batch_size <= {len(passages)}"
+        last = log[-1]
+        print(
+            f"ICT warm start: {w.steps} steps, loss {last['loss']:.3f}, in-batch accuracy "
+            f"{last['in_batch_accuracy']:.3f}",
+            flush=True,
         )
-    if not learning_rate > 0.0:
-        raise ValueError(f"learning_rate must be > 0, got {learning_rate!r}")
-    if not 0.0 <= keep_prob <= 1.0:
-        raise ValueError(f"keep_prob must be in [0, 1], got {keep_prob!r}")
-    for name, length in (("query_length", query_length), ("passage_length", passage_length)):
-        if not 3 <= length <= cfg.max_position_embeddings:
-            raise ValueError(
-                f"{name}={length} must be in [3, max_position_embeddings="
-                f"{cfg.max_position_embeddings}]"
-            )
-    if log_every < 1:
-        raise ValueError(f"log_every must be >= 1, got {log_every!r}")
-    data = prepare_ict_data(
-        tokenizer,
-        passages,
-        query_length=query_length,
-        passage_length=passage_length,
-        passage_format=passage_format,
-        vocab_size=cfg.vocab_size,
+        return {"question_encoder": q_params, "passage_encoder": p_params}
+
+    warm = cached("ICT warm start", key, towers, compute, cache_dir(config, workdir))
+    return dict(params, **warm)
+
+
+def generator(config, rag_cfg, params, tokenizer, workdir, own_world) -> dict:
+    """`params` with the generator after `reader.reader_warm_start` on another synthetic world.
+
+    Facts about an entity whose name also occurs in `own_world` (the experiment's) are left out,
+    so no name of the experiment's world is seen with an answer.
+    """
+    d, w = config.data, config.warm_start
+    if d.source != "synthetic":
+        raise ValueError(
+            "config.warm_start.reader_steps needs data.source='synthetic' (it reads another "
+            f"synthetic world); got {d.source!r}: set reader_steps=0"
+        )
+    world = synthetic.make_world(
+        synthetic.WorldConfig(
+            seed=config.seed + READER_WORLD_SEED_OFFSET,
+            num_entities=w.reader_entities,
+            distractors_per_fact=d.distractors_per_fact,
+            eval_fraction=d.eval_fraction,
+        )
     )
+    own = {f.entity for f in own_world.facts}
+    kept = {f.gold_id for f in world.facts if f.entity not in own}  # answer passages kept
+    examples = [
+        e
+        for e in data.examples_from_world(world, "train") + data.examples_from_world(world, "eval")
+        if e.gold_ids[0] in kept
+    ]
+    key = {
+        "reader": {k: v for k, v in w.items() if k.startswith("reader_")},
+        "world": dataclasses.asdict(world.config),
+        "train": {k: config.train[k] for k in ("batch_size", "learning_rate")},
+        "answer_length": d.answer_length,
+        "examples": hashlib.sha256(" ".join(e.id for e in examples).encode()).hexdigest(),
+        "rag": [rag_cfg.max_combined_length, rag_cfg.label_smoothing, rag_cfg.exclude_bos_score],
+        "tokenizer": tokenizer_fingerprint(tokenizer),
+        "generator": encode.encoder_fingerprint(rag_cfg.generator, params["generator"]),
+    }
 
-    tx, step_fn = _make_ict_step(cfg, float(learning_rate), steps, deterministic, seed)
-    # Copies: the state is donated to the step, and the caller keeps its own trees intact.
-    params = jax.tree.map(jnp.array, {"question": question_params, "passage": passage_params})
-    state = init_state(params, tx)
-
-    log, window = [], []
-    for step in range(steps):
-        batch = ict_batch(data, seed=seed, step=step, batch_size=batch_size, keep_prob=keep_prob)
-        inputs = {k: batch[k] for k in ("query_ids", "query_mask", "passage_ids", "passage_mask")}
-        state, metrics = step_fn(state, jax.device_put(inputs))
-        window.append(metrics)
-        if (step + 1) % log_every == 0 or step + 1 == steps:
-            values = jax.device_get(window)
-            loss = float(np.mean([m["loss"] for m in values]))
-            if not np.isfinite(loss):
-                raise FloatingPointError(
-                    f"non-finite ICT loss {loss} in steps {step + 2 - len(values)}..{step + 1}"
-                )
-            accuracy = float(np.mean([m["in_batch_accuracy"] for m in values]))
-            log.append({"step": step + 1, "loss": loss, "in_batch_accuracy": accuracy})
-            window = []
-    return state.params["question"], state.params["passage"], log
-
-
-# ---------------------------------------------------------------------------------------------
-# The generator: reading, learned on another world
-
-
-def reader_warm_start(
-    rag_cfg,
-    generator_params,
-    tokenizer,
-    store,
-    examples,
-    *,
-    steps: int,
-    batch_size: int,
-    learning_rate: float,
-    seed: int,
-    answer_length: int,
-) -> tuple[dict, list[dict]]:
-    """Trains the generator to read: each question with the one passage that answers it.
-
-    The paper's generator is a pretrained BART, which reads before RAG training starts; a small
-    generator trained from scratch must learn to read inside the marginal over N retrieved
-    passages, which on the synthetic world takes longer than it takes to memorise the training
-    facts, and until it reads the retriever's gradient carries no signal. This warm start gives it
-    the skill on a *different* corpus (`examples` and `store` of another world: other entities,
-    facts drawn independently; see `experiment.build`), the way BART learns language on other
-    text. Only the generator trains; no question, passage or id of the experiment's own world is
-    used.
-
-    Args:
-      rag_cfg: the RAG config (its generator; the context length `max_combined_length`).
-      generator_params: initial generator parameters (copied, never modified).
-      tokenizer: the generator's tokenizer.
-      store: a `PassageStore` of the other world's passages.
-      examples: `data.Example`s of the other world; `gold_ids[0]` names each one's passage.
-      steps: training steps, >= 1.
-      batch_size: questions per step.
-      learning_rate: peak AdamW learning rate (warmup and decay as the ICT warm start's).
-      seed: batches are a function of `(seed, step)`.
-      answer_length: label tokens per answer (`config.data.answer_length`).
-
-    Returns:
-      (generator parameters, log: {"step", "loss"} every tenth of the steps).
-    """
-    if steps < 1 or not 1 <= batch_size <= len(examples):
-        raise ValueError(
-            f"reader warm start needs steps >= 1 and 1 <= batch_size <= examples; got {steps}, "
-            f"{batch_size} and {len(examples)} examples"
+    def compute():
+        passages = [Passage(p.id, p.title, p.text) for p in world.passages]
+        layout = dict(prefix=rag_cfg.prefix or "", title_sep=rag_cfg.title_sep)
+        layout["doc_sep"] = rag_cfg.doc_sep
+        store = workdir_store(passages, tokenizer, pathlib.Path(workdir) / "reader_world", layout)
+        weights, log = reader.reader_warm_start(
+            rag_cfg,
+            params["generator"],
+            tokenizer,
+            store,
+            examples,
+            steps=w.reader_steps,
+            batch_size=config.train.batch_size,
+            learning_rate=config.train.learning_rate,
+            seed=config.seed,
+            answer_length=d.answer_length,
         )
-    row = {pid: i for i, pid in enumerate(store.ids)}
-    missing = [e.id for e in examples if not e.gold_ids or e.gold_ids[0] not in row]
-    if missing:
-        raise ValueError(f"{len(missing)} examples name no passage of the store, e.g. {missing[0]}")
-    one_doc = rag_cfg.replace(n_docs=1)
-    tx = make_optimizer(warm_start_settings(float(learning_rate), steps))
-
-    def loss_fn(generator, batch, rng):
-        del rng  # no dropout
-        doc_scores = jnp.zeros((batch["labels"].shape[0], 1), jnp.float32)  # p(z|x) = 1
-        per_example = rag.nll(
-            one_doc,
-            {"generator": generator},
-            batch["context_input_ids"],
-            batch["context_attention_mask"],
-            doc_scores,
-            batch["labels"],
-            "sequence",
-            reduce=False,
+        print(
+            f"reader warm start: {w.reader_steps} steps on {len(examples)} questions of another "
+            f"world, loss {log[0]['loss']:.3f} -> {log[-1]['loss']:.3f}",
+            flush=True,
         )
-        return jnp.mean(per_example), None
+        return {"generator": weights}
 
-    step_fn = make_step(loss_fn, tx)
-    state = init_state(jax.tree.map(jnp.array, generator_params), tx)
-    log, window, every = [], [], max(1, steps // 10)
-    for step in range(steps):
-        rng = np.random.default_rng((seed, _READER, step))
-        chosen = [examples[i] for i in rng.choice(len(examples), batch_size, replace=False)]
-        questions = [e.question for e in chosen]
-        ids = np.array([[row[e.gold_ids[0]]] for e in chosen])  # -> [B, 1]
-        context, mask = store.context_tokens(
-            ids, store.tokenize_questions(tokenizer, questions), one_doc.max_combined_length
-        )
-        labels = answer_labels(tokenizer, [e.answers[0] for e in chosen], one_doc, answer_length)
-        batch = {"context_input_ids": context, "context_attention_mask": mask, "labels": labels}
-        state, metrics = step_fn(state, jax.device_put(batch))
-        window.append(metrics["loss"])
-        if (step + 1) % every == 0 or step + 1 == steps:
-            value = float(np.mean(jax.device_get(window)))
-            if not np.isfinite(value):
-                raise FloatingPointError(f"non-finite reader warm-start loss at step {step + 1}")
-            log.append({"step": step + 1, "loss": value})
-            window = []
-    return state.params, log
+    template = {"generator": params["generator"]}
+    warm = cached("reader warm start", key, template, compute, cache_dir(config, workdir))
+    return dict(params, **warm)

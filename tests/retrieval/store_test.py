@@ -15,6 +15,7 @@ from tokenizers import AddedToken, ByteLevelBPETokenizer, normalizers
 from transformers import AutoTokenizer, BartTokenizer, RagRetriever
 
 from rag_jax.retrieval import corpus
+from rag_jax.retrieval.build import workdir_store
 from rag_jax.retrieval.corpus import Passage
 from rag_jax.retrieval.store import (
     PassageStore,
@@ -205,27 +206,23 @@ def test_store_round_trip_and_manifest(tmp_path, bart_tokenizer):
 
 
 def test_a_workdir_store_is_reused_only_for_the_same_corpus(tmp_path, bart_tokenizer):
-    from rag_jax import experiment
-
-    layout = types.SimpleNamespace(prefix=None, title_sep=" / ", doc_sep=" // ")
+    layout = {"prefix": "", "title_sep": " / ", "doc_sep": " // "}
     records = [Passage("a", "T", "one"), Passage("b", "U", "two")]
-    built = experiment.build_store(records, bart_tokenizer, tmp_path / "s", layout)
-    again = experiment.build_store(list(records), bart_tokenizer, tmp_path / "s", layout)
+    built = workdir_store(records, bart_tokenizer, tmp_path / "s", layout)
+    again = workdir_store(list(records), bart_tokenizer, tmp_path / "s", layout)
     assert again.checksum == built.checksum and len(again) == 2
     edited = [records[0], Passage("b", "U", "three")]
     with pytest.raises(ValueError, match=r"another corpus.*corpus_checksum.*fresh workdir"):
-        experiment.build_store(edited, bart_tokenizer, tmp_path / "s", layout)
-    other_sep = types.SimpleNamespace(prefix=None, title_sep=" - ", doc_sep=" // ")
+        workdir_store(edited, bart_tokenizer, tmp_path / "s", layout)
+    other_sep = {"prefix": "", "title_sep": " - ", "doc_sep": " // "}
     with pytest.raises(ValueError, match=r"differs: \['title_sep'\]"):
-        experiment.build_store(records, bart_tokenizer, tmp_path / "s", other_sep)
+        workdir_store(records, bart_tokenizer, tmp_path / "s", other_sep)
 
 
 def test_workdir_stores_appear_whole_when_processes_race(tmp_path, bart_tokenizer, monkeypatch):
     import os
 
-    from rag_jax import experiment
-
-    layout = types.SimpleNamespace(prefix=None, title_sep=" / ", doc_sep=" // ")
+    layout = {"prefix": "", "title_sep": " / ", "doc_sep": " // "}
     records = [Passage("a", "T", "one"), Passage("b", "U", "two")]
     target = tmp_path / "passages"
     target.mkdir()
@@ -243,7 +240,7 @@ def test_workdir_stores_appear_whole_when_processes_race(tmp_path, bart_tokenize
     dead = tmp_path / f"passages.building-{socket.gethostname()}-999999999"  # a killed build's
     dead.mkdir()
     monkeypatch.setattr(os, "rename", another_process_wins)
-    store = experiment.build_store(iter(records), bart_tokenizer, target, layout)
+    store = workdir_store(iter(records), bart_tokenizer, target, layout)
     assert [store.passage(i) for i in range(2)] == records
     assert sorted(p.name for p in tmp_path.iterdir()) == ["passages"]  # no private build left
 

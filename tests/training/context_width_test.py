@@ -9,7 +9,7 @@ from rag_jax import evaluation, experiment, rag, settings, sharding
 from rag_jax.training import loop
 from rag_jax.training.batcher import Batcher
 from rag_jax.training.inputs import context_width
-from tiny_runs import _flat, tiny_config
+from tiny_runs import _flat, first_batch, tiny_config
 
 
 def _mask(lengths, width):
@@ -50,7 +50,7 @@ def wide(tmp_path_factory):
 def _batch(exp, multiple):
     exp.config.rag.context_pad_multiple = multiple
     batcher = Batcher(exp, sharding.data_mesh(jax.devices()[:1]))
-    batch, _ = batcher.train_batch(exp.params, 0)
+    batch = first_batch(batcher, exp)
     return batch
 
 

@@ -11,7 +11,7 @@ from rag_jax import experiment, rag, settings, sharding
 from rag_jax.training import loop
 from rag_jax.training.batcher import Batcher
 from rag_jax.training.inputs import label_width
-from tiny_runs import _flat, tiny_config
+from tiny_runs import _flat, first_batch, tiny_config
 
 PAD = 1
 
@@ -55,7 +55,7 @@ def long_labels(tmp_path_factory):
 def _batch(exp, multiple):
     exp.config.data.answer_pad_multiple = multiple
     batcher = Batcher(exp, sharding.data_mesh(jax.devices()[:1]))
-    batch, _ = batcher.train_batch(exp.params, 0)
+    batch = first_batch(batcher, exp)
     return batch
 
 

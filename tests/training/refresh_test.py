@@ -9,7 +9,7 @@ from rag_jax import checkpoints, experiment, rag, settings, synthetic
 from rag_jax.retrieval import retriever
 from rag_jax.training import loop
 from rag_jax.training.batcher import Batcher
-from tiny_runs import _flat, tiny_config
+from tiny_runs import _flat, first_batch, tiny_config
 
 
 def refresh_config(cache_dir, **overrides):
@@ -86,7 +86,7 @@ def test_passage_tokens_path_equals_stored_vectors(tmp_path):
     config = refresh_config(tmp_path / "cache", **{"warm_start.method": "none"})
     exp = experiment.build(config, tmp_path / "w")
     batcher = Batcher(exp, loop.device_mesh(config))
-    batch, _ = batcher.train_batch(exp.params, 0)
+    batch = first_batch(batcher, exp)
     flat = dict(batch)
     for key in ("context_input_ids", "context_attention_mask"):
         flat[key] = batch[key].reshape(-1, batch[key].shape[-1])
@@ -162,7 +162,7 @@ def test_device_index_serves_the_trainer_like_the_exact_index(tmp_path):
         exp = experiment.build(config, tmp_path / kind)
         batcher = Batcher(exp, loop.device_mesh(config))
         fields, pieces = batcher.questions(exp.train[:8])
-        hits[kind] = batcher.retrieve(exp.params, fields, pieces)
+        hits[kind] = batcher.retrieve(exp.params, fields, pieces, exp.retriever)
     want, got = hits["exact"], hits["device"]
     np.testing.assert_allclose(got.index_scores, want.index_scores, rtol=1e-5, atol=1e-5)
     rows = (got.doc_ids == want.doc_ids).reshape(-1)  # where equal scores did not swap

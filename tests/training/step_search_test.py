@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh
 
-from rag_jax import checkpoints
+from rag_jax import checkpoints, experiment
 from rag_jax.retrieval import retriever
 from rag_jax.retrieval.device_index import DeviceIndex
+from rag_jax.retrieval.index import ExactIndex
 from rag_jax.training import loop
 from rag_jax.training.batcher import Batcher
 from tiny_runs import _flat, tiny_config
@@ -55,21 +56,46 @@ def between_steps(tmp_path_factory):
         return _run(_config(False), tmp_path_factory.mktemp("between"), monkeypatch)
 
 
+class _Store:
+    """What a `Retriever` reads of a store when nothing is gathered."""
+
+    checksum, directory = "corpus", "store"
+
+    def __len__(self):
+        return 20
+
+
 def test_the_step_searches_only_a_fixed_device_index_on_its_own_devices():
     devices = jax.devices()
     vectors = np.random.default_rng(0).normal(size=(20, 4)).astype(np.float32)
-    index = DeviceIndex(vectors, Mesh(np.array(devices), ("data",)))
-    exp = types.SimpleNamespace(retriever=types.SimpleNamespace(index=index))
     mesh = Mesh(np.array(devices), ("data",))
-    assert loop.step_index(_config(True), exp, mesh) is index
-    assert loop.step_index(_config(False), exp, mesh) is None
-    assert loop.step_index(tiny_config(**{"retrieval.index": "exact"}), exp, mesh) is None
-    refreshed = tiny_config(**{"retrieval.index": "device", "retrieval.refresh_every": 10})
-    assert loop.step_index(refreshed, exp, mesh) is None  # its vectors change under the step
+    index = DeviceIndex(vectors, mesh, corpus_checksum="corpus")
+
+    def over(index, in_step):
+        return retriever.Retriever(
+            index, _Store(), vectors, n_docs=5, max_combined_length=8, search_in_step=in_step
+        )
+
+    assert over(index, True).searches_in_step(mesh)
+    assert not over(index, False).searches_in_step(mesh)
+    exact = ExactIndex(vectors, corpus_checksum="corpus")
+    assert not over(exact, True).searches_in_step(mesh)  # a host index is searched on the host
     if len(devices) > 1:  # the index on other devices than the step's: searched between steps
-        assert loop.step_index(_config(True), exp, Mesh(np.array(devices[:1]), ("data",))) is None
-    closed_book = types.SimpleNamespace(retriever=types.SimpleNamespace())
-    assert loop.step_index(_config(True), closed_book, mesh) is None
+        assert not over(index, True).searches_in_step(Mesh(np.array(devices[:1]), ("data",)))
+    assert not retriever.ClosedBook.searches_in_step(None, mesh)
+    # The configs whose experiment builds an in-step retriever (and whose state carries ids).
+    in_step = lambda config, mesh=mesh: experiment.Experiment.searches_in_step(  # noqa: E731
+        types.SimpleNamespace(config=config), mesh
+    )
+    assert in_step(_config(True)) and not in_step(_config(False))
+    assert not in_step(tiny_config(**{"retrieval.index": "exact"}))
+    refreshed = tiny_config(**{"retrieval.index": "device", "retrieval.refresh_every": 10})
+    assert not in_step(refreshed)  # its vectors change under the step
+    closed_book = _config(True)
+    closed_book.rag.closed_book, closed_book.rag.n_docs = True, 1
+    assert not in_step(closed_book)
+    if len(devices) > 1:
+        assert not in_step(_config(True), Mesh(np.array(devices[:1]), ("data",)))
 
 
 @pytest.mark.slow  # two trainer runs: ~45 s
