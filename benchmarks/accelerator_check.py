@@ -6,7 +6,7 @@ r"""Accelerator check: train-step MFU and DeviceIndex search against the memory-
 Two measurements, each written to the JSON as soon as it is done (so a run cut short keeps what
 it measured), with the device, its peak figures and where they come from:
 
-1. `train`: the joint RAG train step (`rag_jax.train.make_train_step`, AdamW from
+1. `train`: the joint RAG train step (`rag_jax.training.step.make_train_step`, AdamW from
    `make_optimizer`) of the paper's NQ configuration, BERT-base question encoder + BART-large
    generator, in bfloat16 (float32 parameters and optimizer state), k = 5 docs, context 128,
    target 32, data parallel over every local device. The batch is the largest that fits: two
@@ -17,8 +17,8 @@ it measured), with the device, its peak figures and where they come from:
    models, attention included; backward = 2x forward; no rematerialisation), the same from
    `jit(...).lower(...).compile().cost_analysis()` as a cross-check, and model-FLOPs utilisation
    = analytic FLOPs / step time / (peak bf16 FLOP/s x devices). Goal: MFU >= 40%.
-2. `search`: `rag_jax.device_index.DeviceIndex.search` over `--index-size` (default 10M) x 768
-   bfloat16 vectors generated on the devices (never on the host), for batches of 1 to 64
+2. `search`: `rag_jax.retrieval.device_index.DeviceIndex.search` over `--index-size` (default
+   10M) x 768 bfloat16 vectors generated on the devices (never on the host), for batches of 1 to 64
    queries, k = 5. The bound is reading every vector once per batch: bound time = vector bytes /
    (peak HBM bytes/s x devices); the fraction reported is bound time / measured time. A
    reference search (bfloat16 matmul with float32 accumulation, then top-k) is timed alongside,

@@ -5,12 +5,12 @@ encoder, search the passage index, gather the hits' stored vectors and build the
 contexts (passage + question tokens), then the joint step (doc scores recomputed from the question
 encoder, RAG-Sequence loss, backward, AdamW). Each phase is timed on its own, for both pipelines:
 
-- rag_jax, as `rag_jax.train` runs it: jitted `rag.question_embeddings` + `device_get` (encode),
-  `ExactIndex.search` (search), stored vectors + `PassageStore.tokenize_questions` /
+- rag_jax, as `rag_jax.training.loop` runs it: jitted `rag.question_embeddings` + `device_get`
+  (encode), `ExactIndex.search` (search), stored vectors + `PassageStore.tokenize_questions` /
   `context_tokens` over the pre-tokenised passage store, padded to the batch's longest context
   rounded up to 16 (`context_width`, the trainer's default), and the labels to their
   longest rounded up to 8 (`label_width`) (gather), the trainer's
-  jitted, donated `make_train_step` with optax AdamW (step).
+  jitted, donated `make_train_step` with the trainer's AdamW (step).
 - HF, as `RagModel.forward` runs it with a retriever attached: the question encoder's forward with
   autograd on (encode; its backward is in the step), transformers `RagRetriever` over a custom
   faiss `IndexFlatIP` (a subclass of `retrieval_rag.Index`; exact search, as ours) (search),
@@ -50,7 +50,6 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import torch
 import transformers
 from transformers.models.rag import retrieval_rag
@@ -64,7 +63,7 @@ from rag_jax.retrieval.corpus import Passage
 from rag_jax.retrieval.index import ExactIndex
 from rag_jax.retrieval.retriever import Retriever
 from rag_jax.training.inputs import answer_labels, context_width, label_width, question_tokens
-from rag_jax.training.step import TrainState, make_train_step
+from rag_jax.training.step import init_state
 
 N_DOCS, CONTEXT, TARGET, QUESTION = ts.N_DOCS, ts.CONTEXT, ts.TARGET, ts.QUESTION
 PASSAGE_WORDS, QUESTION_WORDS = 60, 8
@@ -138,7 +137,7 @@ def _clock():
 
 
 class Ours:
-    """rag_jax's step, phase by phase, as `rag_jax.train` runs it (one device)."""
+    """rag_jax's step, phase by phase, as `rag_jax.training.loop` runs it (one device)."""
 
     def __init__(self, cfg, params, store, vectors, g_tok):
         self.cfg, self.store, self.g_tok = cfg, store, g_tok
@@ -146,10 +145,9 @@ class Ours:
         self.retriever = Retriever(
             index, store, vectors, n_docs=N_DOCS, max_combined_length=CONTEXT
         )
-        tx = optax.adamw(ts.LEARNING_RATE, *ts.BETAS, eps=ts.EPS, weight_decay=ts.WEIGHT_DECAY)
+        self.step_fn, tx = ts._jax_train_step(cfg, "sequence")  # the trainer's step, AdamW
         params = jax.tree.map(jnp.array, params)  # copies: the step donates them
-        self.state = TrainState(jnp.zeros((), jnp.int32), params, tx.init(params))
-        self.step_fn = make_train_step(cfg, "sequence", tx, jax.random.PRNGKey(0), True)
+        self.state = init_state(params, tx)
         self.embed = jax.jit(lambda p, ids, mask: rag.question_embeddings(cfg, p, ids, mask))
         self.widest = None  # the device batch of the widest step so far
 

@@ -4,10 +4,10 @@ A step is what joint RAG training does per batch once the passages are retrieved
 encoder embeds the questions, the doc scores are the dot products with the retrieved passages'
 stored vectors (so the gradient reaches the question encoder), the generator reads the N contexts,
 the RAG-Sequence or RAG-Token loss is averaged over the batch, backpropagated, and AdamW updates
-every parameter. rag_jax: `rag.loss_fn` under `jax.value_and_grad`, `optax.adamw`, one `jax.jit`
-with parameters and optimizer state donated. Reference: HF `Rag*ForGeneration` forward with
-`doc_scores` computed from its own question encoder (`torch.bmm`, as `RagModel` does),
-`loss.backward()`, `torch.optim.AdamW`.
+every parameter. rag_jax: the trainer's own step (`training.step.make_train_step`, one `jax.jit`
+with the state donated) and optimizer (`training.optim.make_optimizer`, set as torch's AdamW
+runs). Reference: HF `Rag*ForGeneration` forward with `doc_scores` computed from its own question
+encoder (`torch.bmm`, as `RagModel` does), `loss.backward()`, `torch.optim.AdamW`.
 
 Same configs, same weights (the HF model is saved and loaded with `hf.load_rag`), same inputs, same
 AdamW hyperparameters, float32, dropout off on both sides, the benchmark's threads. After warm-up
@@ -40,7 +40,6 @@ import tempfile
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import torch
 import transformers
 
@@ -48,6 +47,8 @@ from benchmarks import common
 from benchmarks import floor as step_floor
 from benchmarks.accelerator import train_flops
 from rag_jax import hf, rag
+from rag_jax.training.optim import make_optimizer, settings_for
+from rag_jax.training.step import init_state, make_train_step
 
 N_DOCS, CONTEXT, TARGET, QUESTION = 5, 128, 32, 16
 # AdamW as both libraries spell it (torch's defaults; optax's weight decay default differs).
@@ -148,33 +149,45 @@ def make_batch(cfg: rag.RagConfig, batch: int, seed: int = 0) -> dict[str, np.nd
     }
 
 
+def optimizer():
+    """The trainer's optimizer (`training.optim.make_optimizer`) set as `torch.optim.AdamW` runs
+    here: a constant rate, weight decay on every parameter, no clipping; BART's
+    `final_logits_bias` frozen, a buffer in the reference."""
+    return make_optimizer(
+        settings_for(
+            learning_rate=LEARNING_RATE,
+            warmup_steps=0,
+            decay="constant",
+            adam_b1=BETAS[0],
+            adam_b2=BETAS[1],
+            adam_eps=EPS,
+            weight_decay=WEIGHT_DECAY,
+            no_decay="",
+            grad_clip=0.0,
+            retriever_lr_factor=1.0,
+            freeze=r"^generator/final_logits_bias",
+        )
+    )
+
+
 def _jax_train_step(cfg, variant):
-    """(The step as a pure function `(params, opt_state, batch) -> (params, opt_state, loss)`,
-    its AdamW)."""
-    tx = optax.adamw(LEARNING_RATE, *BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
-
-    def train_step(params, opt_state, batch):
-        (loss, _), grads = jax.value_and_grad(
-            lambda p: rag.loss_fn(cfg, p, batch, variant), has_aux=True
-        )(params)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-
-    return train_step, tx
+    """(The trainer's jitted step `(state, batch) -> (state, metrics)`, `make_train_step`, its
+    optimizer)."""
+    tx = optimizer()
+    return make_train_step(cfg, variant, tx, jax.random.PRNGKey(0), True), tx
 
 
 def _jax_step_fn(cfg, params, batch, variant):
     """A no-argument closure running one donated, jitted step; returns the step's loss."""
-    train_step, tx = _jax_train_step(cfg, variant)
-    step = jax.jit(train_step, donate_argnums=(0, 1))
+    step, tx = _jax_train_step(cfg, variant)
     # Copies: the donated buffers must not alias arrays the caller keeps.
-    state = {"params": jax.tree.map(jnp.array, params), "opt_state": None}
-    state["opt_state"] = tx.init(state["params"])
+    state = {"state": init_state(jax.tree.map(jnp.array, params), tx)}
     batch = {k: jnp.asarray(v) for k, v in batch.items()}
 
     def run():
-        state["params"], state["opt_state"], loss = step(state["params"], state["opt_state"], batch)
-        return float(loss)  # blocks until the step (and the update it depends on) is done
+        state["state"], metrics = step(state["state"], batch)
+        total, count = metrics["loss"]
+        return float(total / count)  # blocks until the step (and the update it depends on) is done
 
     return run
 
@@ -262,8 +275,8 @@ def _roofline(cfg: rag.RagConfig, name: str, batch: int, result: dict, peak: flo
 def floor(cfg: rag.RagConfig, params, batch: dict, variant: str, name: str, ref_min_s: float):
     """The step's floor on this machine (`floor.step_floor`) against the goal's step time."""
     train_step, tx = _jax_train_step(cfg, variant)
-    opt_state = jax.eval_shape(tx.init, params)  # tracing needs its shapes only
-    out = step_floor.step_floor(train_step, (params, opt_state, batch), params, ADAMW)
+    state = jax.eval_shape(lambda: init_state(params, tx))  # tracing needs its shapes only
+    out = step_floor.step_floor(train_step, (state, batch), params, ADAMW)
     return {
         "goal_ms": 1e3 * ref_min_s / GOALS[name],
         "floor_ms": out["ms"],
@@ -347,7 +360,8 @@ def run(quick: bool = False) -> dict:
         "rows": rows,
         "reference": f"transformers {transformers.__version__} PyTorch {torch.__version__} eager, "
         "torch.optim.AdamW",
-        "ours": f"jax {jax.__version__} jit (params and opt_state donated), optax.adamw",
+        "ours": f"jax {jax.__version__}: the trainer's make_train_step (state donated) and "
+        "make_optimizer (AdamW)",
         "threads": torch.get_num_threads(),
         "matmul_peak": peak,
         "backend": jax.default_backend(),

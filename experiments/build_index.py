@@ -13,11 +13,11 @@ too, since no BART is installed here; MiniLM reads one text, hence --input_forma
     python experiments/build_index.py --corpus=../shared/data/squad11_dev/passages.jsonl \
       --encoder=$M --generator_tokenizer=$M --input_format=single --out=/tmp/squad_index
 
-Writes `<out>/passages` (rag_jax.passage_store), `<out>/vectors` (sharded .npy + manifest) and
-`<out>/index` (rag_jax.index, loadable with `index.load`). Re-running the same command resumes:
-the store is reused, encoding continues from its last finished shard. The second command encodes
-the 2,067 paragraphs in about 3 minutes of CPU time on 2 cores (6 minutes wall on a busy shared
-machine); SQuAD questions encoded by the same MiniLM then find their paragraph in the top 20
+Writes `<out>/passages` (rag_jax.retrieval.store), `<out>/vectors` (sharded .npy + manifest) and
+`<out>/index` (rag_jax.retrieval.index, loadable with `index.load`). Re-running the same command
+resumes: the store is reused, encoding continues from its last finished shard. The second command
+encodes the 2,067 paragraphs in about 3 minutes of CPU time on 2 cores (6 minutes wall on a busy
+shared machine); SQuAD questions encoded by the same MiniLM then find their paragraph in the top 20
 for about 96% of them.
 """
 

@@ -66,6 +66,8 @@ from absl import logging
 from etils import epath
 from jax.experimental import multihost_utils
 
+from rag_jax.retrieval import files
+
 CHECKPOINT_SUBDIR = "checkpoints"
 _STATE = "state"
 _CONFIG = "config"
@@ -153,18 +155,6 @@ def state_checksums(state: Any) -> dict[str, list[int]]:
         jax.tree_util.keystr(path): [int(v) for v in value]
         for (path, _), value in zip(paths_and_leaves, sums, strict=True)
     }
-
-
-def _is_disk_full(error: BaseException) -> bool:
-    """Whether `error` or one it was raised from is a full disk (Python's or TensorStore's)."""
-    while error is not None:
-        if isinstance(error, OSError) and error.errno == errno.ENOSPC:
-            return True
-        text = str(error)
-        if "No space left on device" in text or "os_error_code='28'" in text:
-            return True
-        error = error.__cause__ or error.__context__
-    return False
 
 
 def _first_line(error: BaseException, limit: int = 300) -> str:
@@ -273,7 +263,7 @@ class Checkpointer:
         try:
             yield
         except Exception as e:
-            if not _is_disk_full(e):
+            if not files.is_disk_full(e):
                 raise
             steps = [int(p.name) for p in self.directory.iterdir() if p.name.isdigit()]
             kept = f"step {max(steps)}" if steps else "none"

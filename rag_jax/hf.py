@@ -15,6 +15,7 @@ import re
 import jax
 import numpy as np
 
+from rag_jax import rag
 from rag_jax.models import bart, bert
 
 # Tensors a checkpoint may carry that are not parameters (non-persistent buffers in newer versions).
@@ -399,8 +400,6 @@ def rag_config_from_hf(config: dict, generation: dict | None = None, **overrides
     Generation defaults come from `generation_config.json`, then the RAG config's own keys, then
     the generator's, then `rag.GenerationConfig`'s defaults.
     """
-    from rag_jax import rag
-
     question = config.get("question_encoder")
     generator = config.get("generator")
     if not isinstance(question, dict) or not isinstance(generator, dict):

@@ -5,7 +5,7 @@ training step): glibc serves it with a new anonymous mapping, so every step touc
 thousands of new 4 KiB pages, and the step's working set thrashes the TLB (costly under a
 hypervisor's nested paging). With glibc's `glibc.malloc.hugetlb=1` tunable, large allocations are
 advised to transparent huge pages (2 MiB): the step's page faults fall from ~36,000 to ~120 and
-the tiny training step of `experiments/bench/train_step.py` went from 137-141 ms to 99-104 ms
+the tiny training step of `benchmarks/train_step.py` went from 137-141 ms to 99-104 ms
 (its two variants, without and with the tunable).
 
 OpenBLAS (numpy's BLAS, which `ExactIndex` scores with) keeps its worker threads spinning for

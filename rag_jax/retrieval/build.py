@@ -83,7 +83,7 @@ def build_index(
     encoding continues from its last finished shard, and the index is rebuilt from the vectors.
 
     Args:
-      corpus_path: passages as DPR TSV or JSONL (see `rag_jax.corpus.read_passages`).
+      corpus_path: passages as DPR TSV or JSONL (see `rag_jax.retrieval.corpus.read_passages`).
       encoder_path: DPR context encoder or BERT checkpoint directory (or hub id).
       generator_tokenizer_path: the generator's tokenizer, for the passage store's tokens.
       out_dir: output directory.

@@ -5,7 +5,7 @@ Legend: C corpus size.
 Readers (`read_tsv`, `read_jsonl`, `read_passages`) are generators of small `Passage` records, so
 DPR's 21M-line `psgs_w100.tsv` never sits in memory as Python objects. Every malformed line is a
 `ValueError` naming the file, the 1-based line and the field; nothing is skipped. The pre-tokenised,
-memory-mapped form of a corpus is `rag_jax.passage_store.PassageStore`.
+memory-mapped form of a corpus is `rag_jax.retrieval.store.PassageStore`.
 """
 
 import array

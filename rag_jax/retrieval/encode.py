@@ -361,6 +361,13 @@ def _replicate(params, mesh: Mesh):
     return jax.device_put(params, NamedSharding(mesh, P()))
 
 
+def _encode_all(cfg, params, token_ids, setup: _Setup) -> np.ndarray:
+    """[C, D] vectors of `token_ids`, in input order, held in memory."""
+    out = np.empty((len(token_ids), cfg.embedding_dim), DTYPES[setup.dtype])
+    _collect(_dispatch(cfg, _replicate(params, setup.mesh), token_ids, setup), out)
+    return out
+
+
 def encode_token_ids(
     cfg: bert.BertConfig,
     params,
@@ -388,9 +395,7 @@ def encode_token_ids(
     if buckets is None:
         buckets = default_buckets(cfg.max_position_embeddings)
     setup = _setup(cfg, None, max(buckets), "pair", batch_size, buckets, dtype, mesh)
-    out = np.empty((len(token_ids), cfg.embedding_dim), DTYPES[dtype])
-    _collect(_dispatch(cfg, _replicate(params, setup.mesh), token_ids, setup), out)
-    return out
+    return _encode_all(cfg, params, token_ids, setup)
 
 
 def encode_passages(
@@ -422,9 +427,7 @@ def encode_passages(
     """
     setup = _setup(cfg, tokenizer, max_length, input_format, batch_size, buckets, dtype, mesh)
     token_ids = tokenize_passages(tokenizer, titles, texts, max_length, input_format)
-    out = np.empty((len(token_ids), cfg.embedding_dim), DTYPES[dtype])
-    _collect(_dispatch(cfg, _replicate(params, setup.mesh), token_ids, setup), out)
-    return out
+    return _encode_all(cfg, params, token_ids, setup)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -16,13 +16,13 @@ index only decides *which* passages, never their weights.
 - `ExactIndex`: brute force in float32, chunked over C so the [B, C] score matrix never exists.
 - `ScannIndex`: Google's ScaNN (partitioning + anisotropic hashing + exact reordering), defaults
   chosen from C following ScaNN's rules of thumb; the host path for any corpus size.
-- `DeviceIndex` (`rag_jax.device_index`): vectors sharded over a mesh axis, per-shard top-k
-  inside `jax.shard_map` (`lax.approx_max_k` on TPU), then a global merge; a pytree, so it can be
-  an argument of a jitted step.
+- `DeviceIndex` (`rag_jax.retrieval.device_index`): vectors sharded over a mesh axis, per-shard
+  top-k inside `jax.shard_map` (`lax.approx_max_k` on TPU), then a global merge; a pytree, so it
+  can be an argument of a jitted step.
 
 On disk an index is a folder holding `manifest.json` (kind, count, dim, dtype, optional
 `encoder_fingerprint` and `corpus_checksum`, and the byte size and sha256 of every file) next to
-its data files (`rag_jax.index_files`). `load(directory, expect={...})` refuses an index whose
+its data files (`rag_jax.retrieval.files`). `load(directory, expect={...})` refuses an index whose
 manifest disagrees with what the caller holds, and a file whose size or hash disagrees with the
 manifest.
 
@@ -378,7 +378,7 @@ def scann_defaults(count: int) -> dict:
     `dimensions_per_block=2` for AH. ScaNN leaves the leaves searched and the reordering depth to
     the user; the defaults here, 5% of the leaves and 100 candidates, are the proportions of the
     ScaNN README's example (100 of 2,000 leaves, reorder 100). On 200k clustered 768-d vectors
-    (experiments/bench/index.py) they give recall@10 0.99; half the leaves gives 0.96.
+    (benchmarks/index.py) they give recall@10 0.99; half the leaves gives 0.96.
 
     Returns:
       {"scoring": "brute_force" | "ah", "num_leaves": int (0: no tree), "num_leaves_to_search",

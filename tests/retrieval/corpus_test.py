@@ -1,4 +1,4 @@
-"""Tests for rag_jax.corpus: streaming readers, bad-input errors, 100-word splitting, checksum."""
+"""rag_jax.retrieval.corpus: streaming readers, bad-input errors, 100-word splitting, checksum."""
 
 import csv
 import gzip

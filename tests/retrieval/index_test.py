@@ -1,4 +1,4 @@
-"""Tests for rag_jax.index: exact search against numpy brute force, ScaNN recall against exact,
+"""rag_jax.retrieval.index: exact search against numpy brute force, ScaNN recall against exact,
 sharded search on 8 fake devices against exact, save/load round trips, and bad input.
 
 Legend: B queries, C corpus size, D width, k neighbours. Small dimensions are distinct (B=5,

@@ -1,4 +1,4 @@
-"""Tests for rag_jax.passage_store: the memory-mapped store and exact context assembly.
+"""Tests for rag_jax.retrieval.store: the memory-mapped store and exact context assembly.
 
 The reference for every context is HF itself: `RagRetriever.postprocess_docs` (the code RAG
 models are trained and evaluated with) building and tokenising the full strings.

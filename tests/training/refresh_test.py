@@ -1,15 +1,23 @@
 """Trainable passage encoder with index refresh; the closed-book baseline; warm-start cache."""
 
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rag_jax import checkpoints, experiment, rag, settings, synthetic
-from rag_jax.retrieval import retriever
+from rag_jax import checkpoints, evaluation, experiment, rag, settings, sharding, synthetic
+from rag_jax.retrieval import encode, retriever
 from rag_jax.training import loop
 from rag_jax.training.batcher import Batcher
 from tiny_runs import _flat, first_batch, tiny_config
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def refresh_config(cache_dir, **overrides):
@@ -168,3 +176,58 @@ def test_device_index_serves_the_trainer_like_the_exact_index(tmp_path):
     rows = (got.doc_ids == want.doc_ids).reshape(-1)  # where equal scores did not swap
     assert rows.mean() > 0.5
     np.testing.assert_array_equal(got.context_input_ids[rows], want.context_input_ids[rows])
+
+
+# ---------------------------------------------------------------------------------------------
+# A restore of a refreshed run: the trained passage encoder's index, never re-encoded
+
+
+@pytest.fixture(scope="module")
+def refreshed_run(tmp_path_factory):
+    """A finished tiny run whose passage encoder trained, its index refreshed every 2 steps."""
+    workdir = tmp_path_factory.mktemp("refreshed")
+    config = refresh_config(
+        workdir / "cache",
+        **{"train.steps": 5, "eval.enabled": True, "eval.max_examples": 16},
+    )
+    return workdir, loop.train_and_evaluate(config, workdir)
+
+
+def test_a_restore_searches_the_trained_passage_encoders_saved_index(refreshed_run, monkeypatch):
+    workdir, summary = refreshed_run
+    encodes = []
+    encode_store = retriever.encode_store
+    monkeypatch.setattr(retriever, "encode_store", lambda *a: encodes.append(1) or encode_store(*a))
+    exp, state, step = loop.restore(workdir)
+    assert step == 5 and encodes == []  # the run's final index was loaded, not encoded again
+    trained = encode.encoder_fingerprint(
+        exp.passage_cfg, sharding.replicated_to_host(state.params["passage_encoder"])
+    )
+    initial = encode.encoder_fingerprint(exp.passage_cfg, exp.params["passage_encoder"])
+    assert trained != initial  # the passage encoder did train
+    assert exp.retriever.index.encoder_fingerprint == trained  # and its vectors are searched
+    mesh = loop.device_mesh(exp.config)
+    got, _ = evaluation.evaluate(exp, state.params, exp.eval[:16], mesh=mesh, variant="sequence")
+    assert got == summary["eval"]  # the trainer's own final evaluation, recall@5 included
+    assert got["gold_recall@5"] == summary["recall_at_5_after"]
+
+
+@pytest.mark.slow  # a process restoring and evaluating: ~25 s
+def test_the_evaluate_script_reports_the_trainers_final_evaluation(refreshed_run):
+    workdir, summary = refreshed_run
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "experiments" / "evaluate.py"),
+            f"--workdir={workdir}",
+            "--max_examples=16",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    reported = json.loads(result.stdout.strip().splitlines()[-1])
+    assert reported["gold_recall@5"] == summary["recall_at_5_after"]
+    assert {k: reported[k] for k in summary["eval"]} == summary["eval"]
