@@ -30,8 +30,9 @@ def main(argv):
     fields, pieces = batcher.questions(questions)
     hits = batcher.retrieve(state.params, fields, pieces, exp.retriever)
     q = batcher.embed(state.params, fields["question_input_ids"], fields["question_attention_mask"])
-    # p(z|x) as the model weighs the retrieved passages: softmax of q · d over the N docs.
-    weights = np.asarray(jax.nn.softmax(rag.doc_scores(q, hits.doc_vectors), axis=-1))
+    # p(z|x) as the model weighs the retrieved passages: softmax of scale * q · d over N docs.
+    scores = rag.doc_scores(q, hits.doc_vectors, exp.rag_cfg.doc_score_scale)
+    weights = np.asarray(jax.nn.softmax(scores, axis=-1))
     _, predictions = evaluation.evaluate(
         exp, state.params, questions, mesh=mesh, variant=exp.config.rag.variant
     )

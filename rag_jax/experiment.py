@@ -36,10 +36,10 @@ import ml_collections
 import numpy as np
 
 from rag_jax import data, hf, rag, sharding, synthetic
-from rag_jax.models import bart, bert
+from rag_jax.models import bart, bert, bert2bart
 from rag_jax.retrieval import retriever as retrieval
 from rag_jax.retrieval.build import load_index_dir, workdir_store
-from rag_jax.retrieval.corpus import Passage, read_passages
+from rag_jax.retrieval.corpus import Passage, read_corpus
 from rag_jax.retrieval.device_index import DeviceIndex
 from rag_jax.retrieval.retriever import ClosedBook, Retriever
 from rag_jax.retrieval.store import PassageStore
@@ -78,8 +78,9 @@ class Experiment:
     def build_retriever(self, passage_params, *, store=None, save: bool = True, mesh=None):
         """The retriever of this run's store (or `store`) encoded with `passage_params`.
 
-        With `save`, the encoded corpus is saved in (and looked for in) `<workdir>/index`, so a
-        restore or a rerun with the same passage encoder does not encode it again. A device
+        With `save`, the encoded corpus is saved in (and looked for in) `<workdir>/index`, or
+        `config.retrieval.cache_dir` (shared by runs), keyed by the encoder and the corpus, so a
+        restore or a sibling run with the same passage encoder does not encode it again. A device
         index spans `mesh` (default: every device of every process).
         """
         config = self.config
@@ -92,7 +93,9 @@ class Experiment:
             )
         r, store = config.retrieval, store or self.store
         common = dict(
-            n_docs=self.rag_cfg.n_docs, max_combined_length=self.rag_cfg.max_combined_length
+            n_docs=self.rag_cfg.n_docs,
+            max_combined_length=self.rag_cfg.max_combined_length,
+            keep_question=config.rag.keep_question,
         )
         # The train step searches a device index itself unless the stored vectors change.
         common["search_in_step"] = r.index == "device" and r.search_in_step and not r.refresh_every
@@ -110,7 +113,9 @@ class Experiment:
             self.passage_encoder(passage_params),
             kind=r.index,
             mesh=pod,
-            cache_dir=self.workdir / "index" if save else None,
+            cache_dir=(pathlib.Path(r.cache_dir) if r.cache_dir else self.workdir / "index")
+            if save
+            else None,
             **common,
         )
 
@@ -150,7 +155,7 @@ def _load_data(config):
     if d.source not in ("files", "tfds"):
         raise ValueError(f"config.data.source must be synthetic, files or tfds, got {d.source!r}")
     # With a prebuilt index (`config.retrieval.index_dir`) the passages come from its store.
-    passages = None if config.retrieval.index_dir else read_passages(d.corpus_path)
+    passages = None if config.retrieval.index_dir else read_corpus(d.corpus_path)
     if d.source == "files":
         train = data.read_examples(d.train_path, fields)
         if d.eval_path:
@@ -179,7 +184,8 @@ def _tokenizers(config, world):
     if m.init == "hf_rag":
         return hf.load_rag_tokenizers(m.rag_path)
     question = hf.load_tokenizer(m.question_encoder_path)
-    generator = hf.load_tokenizer(m.generator_path) if m.generator_path else question
+    path = m.generator_path or (m.generator_bert_path if m.generator_init == "bert" else "")
+    generator = hf.load_tokenizer(path) if path else question
     return question, generator
 
 
@@ -206,6 +212,7 @@ def _models(config, q_tok, g_tok, rng):
         max_combined_length=r.max_combined_length,
         label_smoothing=r.label_smoothing,
         exclude_bos_score=r.exclude_bos_score,
+        doc_score_scale=r.doc_score_scale,
     )
     q_rng, p_rng, g_rng = jax.random.split(rng, 3)
     if m.init == "hf_rag":
@@ -221,6 +228,8 @@ def _models(config, q_tok, g_tok, rng):
             raise ValueError(f"config.model.init must be random, pretrained or hf_rag: {m.init!r}")
         if m.generator_path:
             g_cfg, g_params = hf.load_bart(m.generator_path, **dtype)
+        elif m.generator_init == "bert":
+            g_cfg, g_params = _bert_generator(m, g_tok, g_rng, dtype)
         else:
             g_cfg = bart.BartConfig(
                 vocab_size=len(g_tok), **dict(m.generator), **_generator_ids(g_tok), **dtype
@@ -240,6 +249,8 @@ def _models(config, q_tok, g_tok, rng):
             **rag_fields,
         )
         params = {"question_encoder": q_params, "generator": g_params}
+    if m.generator_frozen_encoder:
+        cfg = cfg.replace(generator=cfg.generator.replace(frozen_encoder=True))
     if m.passage_encoder_path:
         p_cfg, p_params = _load_encoder(m.passage_encoder_path, dtype)
     elif m.init == "random" and not m.shared_towers:
@@ -248,7 +259,44 @@ def _models(config, q_tok, g_tok, rng):
         # Both towers start from the same weights (DPR initialises both from one BERT).
         p_cfg, p_params = cfg.question_encoder, jax.tree.map(np.array, params["question_encoder"])
     params = dict(params, passage_encoder=p_params)
-    return cfg, p_cfg, params
+    # Both towers' vector: [CLS] (DPR) or the mean over tokens, normalised or not.
+    pooling = dict(pooling=m.pooling, normalize=m.normalize_embeddings)
+    cfg = cfg.replace(question_encoder=cfg.question_encoder.replace(**pooling))
+    return cfg, p_cfg.replace(**pooling), params
+
+
+def _bert_generator(m, tokenizer, rng, dtype):
+    """(BartConfig, params) of a generator warm-started from a BERT checkpoint (`bert2bart`)."""
+    path = m.generator_bert_path or m.question_encoder_path
+    if not path:
+        raise ValueError(
+            "config.model.generator_init='bert' needs config.model.generator_bert_path (or "
+            "question_encoder_path) naming a BERT checkpoint"
+        )
+    bert_cfg, bert_params = hf.load_bert(path, **dtype)
+    if len(tokenizer) != bert_cfg.vocab_size:
+        raise ValueError(
+            f"the generator's tokenizer has {len(tokenizer)} tokens but the BERT checkpoint "
+            f"{path} has vocab_size {bert_cfg.vocab_size}: the generator must read BERT's "
+            "vocabulary (leave config.model.generator_path empty)"
+        )
+    try:
+        return bert2bart.bart_from_bert(
+            bert_cfg,
+            bert_params,
+            special_ids=_generator_ids(tokenizer),
+            rng=rng,
+            encoder_layers=m.generator_encoder_layers,
+            decoder_layers=m.generator_decoder_layers,
+            decoder_init=m.generator_decoder_init,
+            **dict(m.generator),
+            **dtype,
+        )
+    except bert2bart.MappingError as e:
+        raise bert2bart.MappingError(
+            f"config.model.generator with generator_init='bert' from {path}: {e} (BERT fixes the "
+            "widths, heads, vocabulary and positions; leave them out of config.model.generator)"
+        ) from e
 
 
 def _load_encoder(path, dtype):
@@ -260,6 +308,24 @@ def _load_encoder(path, dtype):
 def _init_bert(cfg: bert.BertConfig, rng) -> dict:
     ids = np.zeros((1, 2), np.int32)
     return bert.BertEncoder(cfg).init(rng, ids, ids)["params"]
+
+
+def _check_gold_ids(config, train, evals, store) -> None:
+    """Every gold passage id a question names is a passage of the corpus: a question whose gold
+    passage is missing would count as a retrieval miss for a reason no model can change."""
+    named = {g for e in (*train, *evals) for g in e.gold_ids}
+    if not named:
+        return
+    known = {store.ids[i] for i in range(len(store))}
+    for split, examples in (("train", train), ("eval", evals)):
+        stray = [(e, g) for e in examples for g in e.gold_ids if g not in known]
+        if stray:
+            e, g = stray[0]
+            source = config.retrieval.index_dir or config.data.corpus_path or "the passages"
+            raise ValueError(
+                f"{len(stray)} gold passage ids of the {split} questions are not in the corpus "
+                f"({source}, {len(store)} passages), e.g. question {e.id!r} names {g!r}"
+            )
 
 
 def build(config: ml_collections.ConfigDict, workdir, *, retriever: bool = True) -> Experiment:
@@ -289,6 +355,7 @@ def build(config: ml_collections.ConfigDict, workdir, *, retriever: bool = True)
         layout = dict(prefix=rag_cfg.prefix or "", title_sep=rag_cfg.title_sep)
         layout["doc_sep"] = rag_cfg.doc_sep
         store = workdir_store(passages, g_tok, workdir / "passages", layout)
+    _check_gold_ids(config, train, evals, store)
     if rag_cfg.n_docs > len(store):  # before any warm start runs
         raise ValueError(
             f"config.rag.n_docs={rag_cfg.n_docs} exceeds the corpus size {len(store)}; use at "

@@ -16,7 +16,7 @@ import jax
 import numpy as np
 
 from rag_jax import rag
-from rag_jax.models import bart, bert
+from rag_jax.models import bart, bert, layers
 
 # Tensors a checkpoint may carry that are not parameters (non-persistent buffers in newer versions).
 _IGNORED = re.compile(r"(^|\.)(position_ids|token_type_ids)$")
@@ -237,12 +237,43 @@ def _find_prefix(state: dict, suffix: str, path) -> str:
 # BERT / DPR
 
 
+# HF config fields that change what a model computes and that rag_jax does not implement, with
+# the value under which the model is the one rag_jax computes. A checkpoint that sets another
+# value is refused rather than loaded as a different model; fields that only concern training
+# bookkeeping, caching or other heads are not listed.
+_BERT_UNSUPPORTED = {
+    "position_embedding_type": "absolute",
+    "is_decoder": False,
+    "add_cross_attention": False,
+}
+_BART_UNSUPPORTED = {
+    "normalize_before": False,  # mBART's pre-LN layers
+    "add_final_layer_norm": False,  # mBART
+    "normalize_embedding": True,  # old BART configs: layernorm_embedding is always applied here
+    "static_position_embeddings": False,
+    "add_bias_logits": False,
+    "tie_word_embeddings": True,
+}
+
+
+def _refuse_unsupported(config: dict, unsupported: dict, what: str) -> None:
+    for field, supported in unsupported.items():
+        if config.get(field) is not None and config[field] != supported:
+            raise CheckpointError(
+                f"{what} config field {field}={config[field]!r} changes the model and is not "
+                f"supported (only {field}={supported!r}); it is refused rather than loaded as "
+                "another model"
+            )
+
+
 def bert_config_from_hf(config: dict, **overrides) -> bert.BertConfig:
-    """Our BertConfig from an HF BERT or DPR config dict (unknown HF fields are ignored)."""
-    if config.get("position_embedding_type", "absolute") != "absolute":
+    """Our BertConfig from an HF BERT or DPR config dict; fields that change the model and are
+    not implemented are refused (`_BERT_UNSUPPORTED`), the others are read or do not matter."""
+    _refuse_unsupported(config, _BERT_UNSUPPORTED, "BERT")
+    if config.get("hidden_act", "gelu") not in layers.ACTIVATIONS:
         raise CheckpointError(
-            f"position_embedding_type {config['position_embedding_type']!r} is not supported "
-            "(only 'absolute')"
+            f"BERT config field hidden_act={config['hidden_act']!r} is not supported (one of "
+            f"{sorted(layers.ACTIVATIONS)})"
         )
     fields = {f for f in bert.BertConfig.__dataclass_fields__}
     values = {k: v for k, v in config.items() if k in fields}
@@ -315,10 +346,14 @@ def load_dpr(path, *, dtype: str = "float32", param_dtype: str = "float32", rema
 
 
 def bart_config_from_hf(config: dict, **overrides) -> bart.BartConfig:
-    """Our BartConfig from an HF BART config dict."""
-    for flag, ok in (("normalize_before", False), ("add_final_layer_norm", False)):
-        if config.get(flag, ok) != ok:
-            raise CheckpointError(f"{flag}={config[flag]} (an mBART variant) is not supported")
+    """Our BartConfig from an HF BART config dict (LayerDrop included); fields that change the
+    model and are not implemented are refused (`_BART_UNSUPPORTED`)."""
+    _refuse_unsupported(config, _BART_UNSUPPORTED, "BART")
+    if config.get("activation_function", "gelu") not in layers.ACTIVATIONS:
+        raise CheckpointError(
+            f"BART config field activation_function={config['activation_function']!r} is not "
+            f"supported (one of {sorted(layers.ACTIVATIONS)})"
+        )
     fields = {f for f in bart.BartConfig.__dataclass_fields__}
     values = {k: v for k, v in config.items() if k in fields}
     values.update(overrides)

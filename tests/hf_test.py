@@ -118,3 +118,26 @@ def _flatten(tree, prefix=""):
             yield from _flatten(v, f"{prefix}{k}/")
         else:
             yield f"{prefix}{k}", np.asarray(v)
+
+
+@pytest.mark.parametrize(
+    "model, field, value",
+    [
+        ("bart", "add_bias_logits", True),
+        ("bart", "static_position_embeddings", True),
+        ("bart", "normalize_embedding", False),
+        ("bart", "activation_function", "glu"),
+        ("bert", "add_cross_attention", True),
+        ("bert", "is_decoder", True),
+        ("bert", "position_embedding_type", "relative_key"),
+    ],
+)
+def test_config_fields_that_change_the_model_are_refused(tmp_path, model, field, value):
+    save = {"bart": hf_fixtures.save_bart, "bert": hf_fixtures.save_bert}[model]
+    save(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config[field] = value
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    load = {"bart": hf.load_bart, "bert": hf.load_bert}[model]
+    with pytest.raises(hf.CheckpointError, match=rf"field {field}={value!r}.* not supported"):
+        load(tmp_path)

@@ -155,12 +155,16 @@ def test_tsv_passages_round_trip_or_are_refused_at_their_line(records):
     expected = [Passage(*(_universal_newlines(f) for f in record)) for record in records]
     out, error = _read_stream(corpus.read_tsv, path)
 
+    # A row is one line: a field holding a line break (quoted, so it runs on past its line) is
+    # refused at the row's first line, as is an empty id; both stop the stream there.
+    broken = [i for i, r in enumerate(records) if any("\n" in f or "\r" in f for f in r)]
     empty = [i for i, p in enumerate(expected) if not p.id]
     ids = [p.id for p in expected]
     repeated = [i for i, pid in enumerate(ids) if pid in ids[:i]]
-    if empty:
-        assert error is not None and _refused_at(error, path, starts[empty[0]]), error
-        assert out == expected[: empty[0]]
+    if broken or empty:
+        first = min(broken + empty)
+        assert error is not None and _refused_at(error, path, starts[first]), error
+        assert out == expected[:first]
     elif repeated:
         assert error is not None and _refused_at(error, path, starts[repeated[0]]), error
         assert out == expected

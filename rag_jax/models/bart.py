@@ -41,6 +41,13 @@ class BartConfig:
     dropout: float = 0.1
     attention_dropout: float = 0.0
     activation_dropout: float = 0.0
+    # LayerDrop (Fan et al. 2019): in training (dropout on), each layer is skipped with this
+    # probability, as HF's BART does; inference runs every layer.
+    encoder_layerdrop: float = 0.0
+    decoder_layerdrop: float = 0.0
+    # No gradient flows into the encoder (its output is a constant of the loss): a generator
+    # whose encoder is a fixed pretrained one (`models.bert2bart`) skips its backward pass.
+    frozen_encoder: bool = False
     init_std: float = 0.02
     layer_norm_eps: float = 1e-5
     pad_token_id: int = 1
@@ -106,8 +113,9 @@ class _Stack(nn.Module):
         if not deterministic and cfg.dropout > 0.0:
             x = nn.Dropout(cfg.dropout)(x, deterministic=False)
         layer = layers.layer_class(cfg.remat)
+        layerdrop = cfg.decoder_layerdrop if self.cross else cfg.encoder_layerdrop
         for i in range(cfg.decoder_layers if self.cross else cfg.encoder_layers):
-            x = layer(
+            y = layer(
                 num_heads=cfg.decoder_attention_heads
                 if self.cross
                 else cfg.encoder_attention_heads,
@@ -125,6 +133,11 @@ class _Stack(nn.Module):
                 param_dtype=param_dtype,
                 name=f"layer_{i}",
             )(x, self_mask, encoded, cross_mask, deterministic)
+            if not deterministic and layerdrop > 0.0 and not decode:
+                # HF draws one uniform per layer per forward pass and skips the layer below p.
+                skip = jax.random.uniform(self.make_rng("dropout")) < layerdrop
+                y = jnp.where(skip, x, y)
+            x = y
         return x
 
 
@@ -169,7 +182,8 @@ class Bart(nn.Module):
                 f"attention_mask {attention_mask.shape} does not match input_ids {input_ids.shape}"
             )
         mask = layers.padding_mask(None, attention_mask)  # -> [B, 1, 1, S]
-        return self.encoder(input_ids, mask, None, None, False, deterministic)
+        encoded = self.encoder(input_ids, mask, None, None, False, deterministic)
+        return jax.lax.stop_gradient(encoded) if self.config.frozen_encoder else encoded
 
     def decode(
         self,
@@ -217,8 +231,7 @@ class Bart(nn.Module):
                 )
             self_mask = self_mask & decoder_mask.astype(bool)[:, None, None, :]
         x = self.decoder(decoder_input_ids, self_mask, encoded, cross_mask, decode, deterministic)
-        logits = self.shared.attend(x).astype(layers.accumulation_dtype(x.dtype))
-        return logits + self.final_logits_bias
+        return lm_head(x, self.shared.embedding, self.final_logits_bias)
 
     def __call__(
         self,
@@ -247,6 +260,28 @@ class Bart(nn.Module):
             decoder_input_ids, encoded, attention_mask, decoder_mask, False, deterministic
         )
         return logits, {"encoded": encoded}
+
+
+def lm_head(x: jax.Array, embedding: jax.Array, bias: jax.Array) -> jax.Array:
+    """The tied output projection `x @ embedding.T + bias`, accumulated in float32.
+
+    Under bfloat16 compute the product's inputs are bfloat16 but its sums are not rounded to
+    bfloat16 (about 0.4% of a logit of 30, straight into the NLL and the beam ranking): the
+    logits come out in float32 (float64 under float64 compute).
+
+    Args:
+      x: [..., H] decoder output in the compute dtype.
+      embedding: [V, H] the shared token embedding (parameter dtype).
+      bias: [V] `final_logits_bias`.
+
+    Returns:
+      [..., V] logits.
+    """
+    out_dtype = layers.accumulation_dtype(x.dtype)
+    logits = jnp.einsum(
+        "...h,vh->...v", x, embedding.astype(x.dtype), preferred_element_type=out_dtype
+    )
+    return logits + bias.astype(out_dtype)
 
 
 def init_cache(

@@ -5,6 +5,10 @@ GELU, then the pooled vector: the [CLS] hidden state, projected when `projection
 `encode_proj`). Plain BERT checkpoints that carry a pooler (dense + tanh on [CLS]) load too; the
 pooler's output is returned in aux but is not the retrieval vector, exactly as in DPR.
 
+Sentence-transformers' towers (all-MiniLM-L6-v2 among them) were trained on another vector: the
+mean of the last layer's token states over the real tokens, L2-normalised (`pooling="mean"`,
+`normalize=True`, as its `Pooling` and `Normalize` modules compute them).
+
 Legend: B batch, S sequence length, H hidden width, D output (embedding) width.
 """
 
@@ -39,6 +43,10 @@ class BertConfig:
     projection_dim: int = 0
     # Whether the checkpoint's pooler (dense + tanh on [CLS]) is part of the parameters.
     with_pooler: bool = False
+    # The retrieval vector: "cls" (the [CLS] state, DPR) or "mean" (the mean over real tokens,
+    # sentence-transformers); then, with `normalize`, divided by its L2 norm.
+    pooling: str = "cls"
+    normalize: bool = False
     # Compute and parameter dtypes ("float32" or "bfloat16"; "float64" under jax_enable_x64);
     # outputs are float32 (float64 under float64 compute).
     dtype: str = "float32"
@@ -77,7 +85,8 @@ class BertEncoder(nn.Module):
           deterministic: disables dropout (needs a `dropout` rng when False).
 
         Returns:
-          pooled: [B, D] float32, the [CLS] hidden state (projected if `projection_dim > 0`).
+          pooled: [B, D] float32, the [CLS] hidden state or the mean over real tokens
+            (`pooling`), projected if `projection_dim > 0`, L2-normalised with `normalize`.
           aux: {"hidden": [B, S, H] float32} plus {"pooler_output": [B, H]} with a pooler.
         """
         cfg = self.config
@@ -138,8 +147,43 @@ class BertEncoder(nn.Module):
                 cfg.hidden_size, cfg.initializer_range, dtype, param_dtype, "pooler"
             )
             aux["pooler_output"] = jnp.tanh(pooler(cls)).astype(out_dtype)
-        if cfg.projection_dim > 0:
-            cls = layers.dense(
+        projection = None
+        if cfg.projection_dim > 0:  # DPR's projection of the pooled vector
+            projection = layers.dense(
                 cfg.projection_dim, cfg.initializer_range, dtype, param_dtype, "projection"
-            )(cls)
-        return cls.astype(out_dtype), aux
+            )
+        return pool(cfg, x, attention_mask, cls, projection), aux
+
+
+POOLINGS = ("cls", "mean")
+
+
+def pool(cfg: BertConfig, hidden, attention_mask, cls=None, projection=None) -> jax.Array:
+    """The retrieval vector of the last layer's states: [CLS] or the masked mean (`cfg.pooling`),
+    projected, normalised (`cfg.normalize`).
+
+    Args:
+      cfg: the encoder's config.
+      hidden: [B, S, H] last-layer states (compute dtype).
+      attention_mask: [B, S] 1 = token.
+      cls: [B, H] the [CLS] state when only it was computed (`pooling="cls"`); default hidden[:, 0].
+      projection: DPR's projection (a callable), or None.
+
+    Returns:
+      [B, D] in float32 (float64 under float64 compute).
+    """
+    if cfg.pooling not in POOLINGS:
+        raise ValueError(f"pooling must be one of {POOLINGS}, got {cfg.pooling!r}")
+    out_dtype = layers.accumulation_dtype(hidden.dtype)
+    if cfg.pooling == "cls":
+        vector = hidden[:, 0] if cls is None else cls
+    else:  # sentence-transformers: sum of real tokens' states / their count (at least 1e-9)
+        mask = attention_mask.astype(out_dtype)[:, :, None]
+        total = jnp.sum(hidden.astype(out_dtype) * mask, axis=1)
+        vector = total / jnp.maximum(jnp.sum(mask, axis=1), 1e-9)
+    if projection is not None:
+        vector = projection(vector.astype(hidden.dtype))
+    vector = vector.astype(out_dtype)
+    if cfg.normalize:  # sentence-transformers' Normalize: x / max(||x||, 1e-12)
+        vector = vector / jnp.maximum(jnp.linalg.norm(vector, axis=-1, keepdims=True), 1e-12)
+    return vector

@@ -74,6 +74,8 @@ def build_index(
     shard_size: int = 100_000,
     dtype: str = "float32",
     compute_dtype: str = "float32",
+    pooling: str = "cls",
+    normalize: bool = False,
     overwrite: bool = False,
     progress: bool = True,
 ) -> dict:
@@ -92,6 +94,8 @@ def build_index(
       fields: column/key names of the corpus file where they differ from id/title/text.
       max_length, input_format, batch_size, shard_size, dtype: see `encode_corpus`.
       compute_dtype: the encoder's compute dtype, float32 or bfloat16.
+      pooling, normalize: the passage vector, as the run's `model.pooling` and
+        `model.normalize_embeddings` say ([CLS] for DPR; mean and normalised for MiniLM).
       overwrite: replace a store or vectors of another corpus/encoder instead of refusing.
       progress: show the encoding progress bar.
 
@@ -107,6 +111,7 @@ def build_index(
         corpus_path, generator_tokenizer, out_dir / "passages", fields, overwrite
     )
     cfg, params = load_passage_encoder(encoder_path, compute_dtype)
+    cfg = cfg.replace(pooling=pooling, normalize=normalize)
     tokenizer = hf.load_tokenizer(encoder_tokenizer_path or encoder_path)
     manifest = encode_corpus(
         store,

@@ -70,13 +70,56 @@ def read_passages(path, fields: Mapping[str, str] | None = None) -> Iterator[Pas
     )
 
 
+def corpus_files(paths) -> list[str]:
+    """The files of a corpus named as one path, a comma-separated list, or a sequence of paths."""
+    parts = paths.split(",") if isinstance(paths, str) else list(paths)
+    files = [str(p).strip() for p in parts if str(p).strip()]
+    if not files:
+        raise ValueError(f"no corpus file named in {paths!r}")
+    return files
+
+
+def read_corpus(paths, fields: Mapping[str, str] | None = None) -> Iterator[Passage]:
+    """Streams the passages of one or more files (`corpus_files`) in order, as `read_passages`
+    reads each; an id repeated across files is refused naming both files and lines."""
+    files = corpus_files(paths)
+    if len(files) == 1:
+        yield from read_passages(files[0], fields)
+        return
+    digests, where = IdDigests(), []  # position -> (file, passage number within it)
+    for f, path in enumerate(files):
+        for n, passage in enumerate(read_passages(path, fields)):
+            digests.add(passage.id, len(where))
+            where.append((f, n))
+            yield passage
+
+    def lookup(wanted):
+        out = {}
+        for position in wanted:
+            f, n = where[position]
+            out[position] = next(itertools.islice(read_passages(files[f], fields), n, None)).id
+        return out
+
+    repeat = digests.first_repeat(lookup)
+    if repeat:
+        first, later, passage_id = repeat
+        (f1, n1), (f2, n2) = where[first], where[later]
+        raise ValueError(
+            f"duplicate passage id {passage_id!r}: passage {n2 + 1} of {files[f2]} and passage "
+            f"{n1 + 1} of {files[f1]}"
+        )
+
+
 def read_tsv(path, fields: Mapping[str, str] | None = None) -> Iterator[Passage]:
     """Streams passages from a DPR-style TSV: a header line naming the columns, then one row each.
 
     Parsed like DPR's own reader (`csv.reader(delimiter="\\t")` over a file opened in text mode):
-    fields may be quoted with `"`, a doubled `""` inside is one quote, and a quoted field may span
-    lines (errors then name the line the record starts on). Columns are found by header name, so
-    DPR's `id, text, title` order and extra columns are fine. See `read_passages` for the rest.
+    fields may be quoted with `"` and a doubled `""` inside is one quote (`psgs_w100.tsv` quotes
+    its texts this way). A row is one line: a quoted field that runs on past the end of its line
+    (an unbalanced quote, which would swallow the rows after it into one passage) is refused
+    naming the line, as is a row with another number of columns than the header. Columns are
+    found by header name, so DPR's `id, text, title` order and extra columns are fine. See
+    `read_passages` for the rest.
     """
     return _checked(path, _tsv_records, _field_names(fields))
 
@@ -144,6 +187,13 @@ def _tsv_records(path, names) -> Iterator[tuple[int, Passage]]:
             columns.append(header.index(name))
         start = last_line + 1
         for row in rows:
+            if last_line != start:
+                # A quote opened in one row and closed in another swallows the rows between into
+                # one field: a passage would take another row's title and rows would vanish.
+                raise ValueError(
+                    f"{path}, line {start}: a quoted field runs on to line {last_line} (an "
+                    "unbalanced quote?); a passage row is one line"
+                )
             if len(row) != len(header):
                 raise ValueError(
                     f"{path}, line {start}: {len(row)} tab-separated columns, the header has "

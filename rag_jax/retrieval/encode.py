@@ -48,6 +48,15 @@ from rag_jax.retrieval.store import tokenizer_fingerprint
 
 DEFAULT_MAX_LENGTH = 256
 INPUT_FORMATS = ("pair", "single")
+# BertConfig fields added after the first index format, with the values they had before.
+_LATER_FIELDS = {
+    "pooling": "cls",
+    "normalize": False,
+    # BartConfig's (a generator's fingerprint keys its reader warm start).
+    "encoder_layerdrop": 0.0,
+    "decoder_layerdrop": 0.0,
+    "frozen_encoder": False,
+}
 # BertConfig fields that change how the encoder runs, not what it computes.
 _RUNTIME_FIELDS = (
     "dtype",
@@ -79,6 +88,11 @@ def encoder_fingerprint(cfg: bert.BertConfig, params) -> str:
     """
     sha = hashlib.sha256()
     arch = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in _RUNTIME_FIELDS}
+    # Fields added since the first index format count only when they change the function, so
+    # that an index encoded before they existed still matches its encoder.
+    for name, default in _LATER_FIELDS.items():
+        if arch.get(name) == default:
+            del arch[name]
     sha.update(json.dumps(arch, sort_keys=True).encode("utf-8"))
     leaves = jax.tree_util.tree_flatten_with_path(params)[0]
     for path, leaf in sorted(leaves, key=lambda item: jax.tree_util.keystr(item[0])):
@@ -174,7 +188,7 @@ def plan_batches(
 
 
 def pooled_vectors(cfg: bert.BertConfig, params, input_ids, attention_mask) -> jax.Array:
-    """`BertEncoder`'s pooled output, with the last layer run for the [CLS] position only.
+    """`BertEncoder`'s pooled output; with [CLS] pooling the last layer runs for [CLS] only.
 
     Only [CLS] of the last layer reaches the retrieval vector, so that layer's queries, attention
     output, MLP and LayerNorms run on one position instead of S (its keys and values still cover
@@ -189,6 +203,8 @@ def pooled_vectors(cfg: bert.BertConfig, params, input_ids, attention_mask) -> j
     Returns:
       [B, D] float32, equal to `BertEncoder(cfg).apply(...)[0]`.
     """
+    if cfg.pooling != "cls":  # a mean reads every position of the last layer
+        return bert.BertEncoder(cfg).apply({"params": params}, input_ids, attention_mask)[0]
     dtype, param_dtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
     last = cfg.num_hidden_layers - 1
     trunk_cfg = cfg.replace(num_hidden_layers=last, with_pooler=False, projection_dim=0)
@@ -221,10 +237,11 @@ def pooled_vectors(cfg: bert.BertConfig, params, input_ids, attention_mask) -> j
     )
     cls = norm.apply({"params": layer["mlp_ln"]}, cls + mlp.apply({"params": layer["mlp"]}, cls))
     cls = cls[:, 0]  # -> [B, H]
+    projection = None
     if cfg.projection_dim > 0:
-        projection = nn.Dense(cfg.projection_dim, dtype=dtype, param_dtype=param_dtype)
-        cls = projection.apply({"params": params["projection"]}, cls)
-    return cls.astype(jnp.float32)
+        dense = nn.Dense(cfg.projection_dim, dtype=dtype, param_dtype=param_dtype)
+        projection = lambda v: dense.apply({"params": params["projection"]}, v)  # noqa: E731
+    return bert.pool(cfg, x, attention_mask, cls, projection).astype(jnp.float32)
 
 
 @functools.cache

@@ -32,7 +32,7 @@ import pathlib
 import jax
 import numpy as np
 
-from rag_jax import sharding
+from rag_jax import checkpoints, sharding
 from rag_jax.retrieval import encode
 from rag_jax.retrieval.device_index import DeviceIndex
 from rag_jax.retrieval.index import ExactIndex, Index, ScannIndex, read_manifest
@@ -63,6 +63,7 @@ class Retriever:
         max_combined_length: int,
         search_in_step: bool = False,
         verify_corpus: bool = True,
+        keep_question: bool = False,
     ):
         """Args:
         index: any index over `vectors` (`search(queries [B, D], k)`).
@@ -74,6 +75,8 @@ class Retriever:
         verify_corpus: the index must record the store's corpus checksum (`corpus_checksum`),
           so an index of another corpus is never paired with this store. False accepts an index
           whose corpus is unknown or another: an explicit, unchecked pairing.
+        keep_question: contexts longer than S lose the passage's end, not the question
+          (`PassageStore.context_tokens`).
         """
         if len(store) != index.count or vectors.shape[0] != index.count:
             raise ValueError(
@@ -99,6 +102,7 @@ class Retriever:
         self.index, self.store, self.vectors = index, store, vectors
         self.n_docs, self.max_combined_length = n_docs, max_combined_length
         self.in_step, self.verify_corpus = search_in_step, verify_corpus
+        self.keep_question = keep_question
 
     def __call__(self, question_vectors: np.ndarray, question_pieces: list[list[int]]) -> Retrieved:
         """Retrieves for a batch on the host.
@@ -158,7 +162,7 @@ class Retriever:
         vectors = np.asarray(self.vectors[ids.reshape(-1)], np.float32)
         vectors = vectors.reshape(ids.shape + (self.vectors.shape[1],))  # -> [B, N, D]
         context_ids, context_mask = self.store.context_tokens(
-            ids, question_pieces, self.max_combined_length
+            ids, question_pieces, self.max_combined_length, keep_question=self.keep_question
         )
         return Retrieved(ids, np.asarray(scores, np.float32), vectors, context_ids, context_mask)
 
@@ -212,6 +216,7 @@ class Retriever:
             max_combined_length=self.max_combined_length,
             search_in_step=self.in_step,
             verify_corpus=self.verify_corpus,
+            keep_question=self.keep_question,
         )
 
 
@@ -311,25 +316,41 @@ class PassageEncoder:
         }
 
 
+# Passages encoded between two looks at a stop request (a SIGTERM before training starts).
+ENCODE_WINDOW = 1 << 16
+
+
 def encode_store(store: PassageStore, encoder: PassageEncoder) -> np.ndarray:
     """[C, D] float32 vectors of every passage in the store.
 
     Encoded on this process's devices: on several hosts each one encodes the whole corpus, for
     its own replica of a host index, or for its own devices' rows of a `DeviceIndex` (the
-    encoder's default mesh refuses to span processes).
+    encoder's default mesh refuses to span processes). A stop request (`checkpoints.should_stop`)
+    is honoured between windows of `ENCODE_WINDOW` passages, raising `checkpoints.Preempted`.
     """
-    return encode.encode_passages(
-        encoder.cfg,
-        encoder.params,
-        encoder.tokenizer,
-        [store.title(i) for i in range(len(store))],
-        [store.text(i) for i in range(len(store))],
-        max_length=encoder.max_length,
-        input_format=encoder.input_format,
-        batch_size=encoder.batch_size,
-        dtype="float32",
-        mesh=sharding.data_mesh(jax.local_devices()),
-    )
+    count, parts = len(store), []
+    for start in range(0, count, ENCODE_WINDOW):
+        if checkpoints.should_stop():
+            raise checkpoints.Preempted(
+                f"stopped while encoding the corpus of {store.directory}: {start} of {count} "
+                "passages were encoded and are not kept; the next run encodes them again"
+            )
+        rows = range(start, min(count, start + ENCODE_WINDOW))
+        parts.append(
+            encode.encode_passages(
+                encoder.cfg,
+                encoder.params,
+                encoder.tokenizer,
+                [store.title(i) for i in rows],
+                [store.text(i) for i in rows],
+                max_length=encoder.max_length,
+                input_format=encoder.input_format,
+                batch_size=encoder.batch_size,
+                dtype="float32",
+                mesh=sharding.data_mesh(jax.local_devices()),
+            )
+        )
+    return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
 
 def index_provenance(index: Index) -> dict:
@@ -389,6 +410,7 @@ def build(
     search_in_step: bool = False,
     mesh=None,
     cache_dir=None,
+    keep_question: bool = False,
 ) -> Retriever:
     """The retriever of `store` encoded by `encoder`: encode the corpus and index it.
 
@@ -401,7 +423,7 @@ def build(
       store: the passages.
       encoder: the passage tower and its input settings.
       kind: "exact" | "scann" | "device" (see `make_index`).
-      n_docs, max_combined_length, search_in_step: see `Retriever`.
+      n_docs, max_combined_length, search_in_step, keep_question: see `Retriever`.
       mesh: the device index's mesh (default: this process's devices).
       cache_dir: where encoded corpora are saved and looked for; None: always encode.
     """
@@ -426,4 +448,5 @@ def build(
         n_docs=n_docs,
         max_combined_length=max_combined_length,
         search_in_step=search_in_step,
+        keep_question=keep_question,
     )

@@ -456,12 +456,16 @@ class PassageStore:
         question_token_ids,
         max_length: int,
         question_mask=None,
+        keep_question: bool = False,
     ) -> tuple[np.ndarray, np.ndarray]:
         """Generator inputs for every (question, retrieved passage) pair, as HF lays them out.
 
         Equal to tokenising `context_string(title, text, question, ...)` with the store's tokenizer,
         `max_length=max_length, truncation=True, padding="max_length"`: special tokens around the
-        first `max_length - n_special` tokens of passage piece + question piece, then pad.
+        first `max_length - n_special` tokens of passage piece + question piece, then pad. HF's
+        truncation cuts the string's end, which is the question: a passage longer than the
+        context leaves none of it. `keep_question` cuts the passage's end instead, so the whole
+        question piece (up to the context's room) always follows the passage.
 
         Args:
           passage_idx: `[B, N]` integer passage indices (rows of this store).
@@ -469,6 +473,7 @@ class PassageStore:
             or a `[B, Q]` integer array together with `question_mask`.
           max_length: S, HF `max_combined_length`; at least the number of special tokens.
           question_mask: `[B, Q]` 0/1, which entries of a padded `question_token_ids` are real.
+          keep_question: truncate the passage, not the question (see above).
 
         Returns:
           input_ids: `[B * N, S] int32`, row `b * N + n` for question b and its n-th passage.
@@ -496,7 +501,11 @@ class PassageStore:
             raise ValueError(f"max_length {max_length} < {n_prefix + n_suffix} special tokens")
         flat_idx = passage_idx.reshape(-1)  # -> [B * N]
         starts = np.asarray(self._token_offsets[flat_idx])
-        ends = np.minimum(np.asarray(self._token_offsets[flat_idx + 1]), starts + budget)
+        room = np.full(batch * n_docs, budget, np.int64)  # passage tokens each row may hold
+        if keep_question:
+            asked = np.array([min(len(q), budget) for q in questions], np.int64)
+            room = room - np.repeat(asked, n_docs)
+        ends = np.minimum(np.asarray(self._token_offsets[flat_idx + 1]), starts + room)
         input_ids = np.full((batch * n_docs, max_length), self.manifest["pad_id"], np.int32)
         attention_mask = np.zeros((batch * n_docs, max_length), np.int32)
         input_ids[:, :n_prefix] = self._prefix_ids

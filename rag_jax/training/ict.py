@@ -51,6 +51,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from rag_jax import checkpoints
 from rag_jax.models import bert
 from rag_jax.retrieval import encode
 from rag_jax.training.optim import make_optimizer, warm_start_settings
@@ -291,6 +292,7 @@ def ict_warm_start(
     passage_format: str = "pair",
     deterministic: bool = True,
     log_every: int = 10,
+    progress: checkpoints.Progress | None = None,
 ) -> tuple[dict, dict, list[dict]]:
     """Trains the question and passage towers with ICT on `passages`.
 
@@ -313,6 +315,7 @@ def ict_warm_start(
       passage_format: "pair" (title [SEP] text) or "single" (title + " " + text).
       deterministic: no dropout; when False, dropout at `cfg`'s rates with keys drawn from `seed`.
       log_every: steps per log entry; the last step is always logged.
+      progress: where the warm start saves its state when stopped (SIGTERM) and resumes it from.
 
     Returns:
       (question_params, passage_params, log), where each log entry is {"step": steps done,
@@ -358,9 +361,13 @@ def ict_warm_start(
     # Copies: the state is donated to the step, and the caller keeps its own trees intact.
     params = jax.tree.map(jnp.array, {"question": question_params, "passage": passage_params})
     state = init_state(params, tx)
+    if progress is not None:  # a warm start stopped midway goes on from where it stopped
+        state = progress.load(state) or state
 
     log, window = [], []
-    for step in range(steps):
+    for step in range(int(state.step), steps):
+        if progress is not None:
+            progress.stop_if_requested(state, step, steps)
         batch = ict_batch(data, seed=seed, step=step, batch_size=batch_size, keep_prob=keep_prob)
         inputs = {k: batch[k] for k in ("query_ids", "query_mask", "passage_ids", "passage_mask")}
         state, metrics = step_fn(state, jax.device_put(inputs))

@@ -202,7 +202,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir) -> dict:
     checkpoints.install_preemption_handler()
     mesh = device_mesh(config)
     settings.validate(config, mesh.size)
-    exp = experiment.build(config, workdir)
+    try:
+        exp = experiment.build(config, workdir)
+    except checkpoints.Preempted as stopped:
+        print(f"preempted before training: {stopped}", flush=True)
+        return {"preempted": str(stopped), "steps": 0}
     tc, variant = config.train, config.rag.variant
     tx = make_optimizer(tc)
     rng = jax.random.PRNGKey(config.seed)
@@ -225,8 +229,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir) -> dict:
     logger = _Logger(workdir)
     eval_examples = exp.eval[: config.eval.max_examples or None]
 
-    def evaluate_now(params, retriever):
-        return evaluate(exp, params, eval_examples, mesh=mesh, variant=variant, retriever=retriever)
+    def evaluate_now(params, retriever, examples=eval_examples):
+        return evaluate(exp, params, examples, mesh=mesh, variant=variant, retriever=retriever)
 
     before_path = workdir / "eval_before.json"
     if not config.eval.enabled:
@@ -303,7 +307,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir) -> dict:
         ckpt.save(step, state, config, force=step == tc.steps)
         every = config.eval.every
         if config.eval.enabled and every and step % every == 0 and step < tc.steps:
-            during, _ = evaluate_now(state.params, retrievers.retriever)
+            curve = eval_examples[: config.eval.every_max_examples or None]
+            during, _ = evaluate_now(state.params, retrievers.retriever, curve)
             logger.write(step, during, "eval/")  # learning curves; the final eval follows
     bar.close()
     ckpt.close()

@@ -50,10 +50,14 @@ def settings_for(**changes) -> ml_collections.ConfigDict:
     return tc
 
 
-def warm_start_settings(learning_rate: float, steps: int) -> ml_collections.ConfigDict:
-    """The warm starts' optimizer settings (`WARM_START`) for `steps` steps."""
+def warm_start_settings(
+    learning_rate: float, steps: int, freeze: str = ""
+) -> ml_collections.ConfigDict:
+    """The warm starts' optimizer settings (`WARM_START`) for `steps` steps, `freeze` (a regex
+    over parameter paths) left unchanged."""
     warmup = max(1, round(steps * WARMUP_FRACTION))
-    return settings_for(learning_rate=learning_rate, steps=steps, warmup_steps=warmup, **WARM_START)
+    options = dict(WARM_START, freeze=freeze)
+    return settings_for(learning_rate=learning_rate, steps=steps, warmup_steps=warmup, **options)
 
 
 def schedule(tc: ml_collections.ConfigDict) -> optax.Schedule:

@@ -10,12 +10,14 @@ other than the evaluation's; the retriever towers are untouched.
 Legend: B batch, S context length, T target length.
 """
 
+import time
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rag_jax import rag
-from rag_jax.training.inputs import answer_labels
+from rag_jax import checkpoints, rag
+from rag_jax.training.inputs import answer_labels, context_width
 from rag_jax.training.optim import make_optimizer, warm_start_settings
 from rag_jax.training.step import init_state, make_step
 
@@ -34,6 +36,12 @@ def reader_warm_start(
     learning_rate: float,
     seed: int,
     answer_length: int,
+    progress: checkpoints.Progress | None = None,
+    alternate_with: list | None = None,
+    context_length: int = 0,
+    freeze: str = "",
+    pad_multiple: int = 0,
+    keep_question: bool = False,
 ) -> tuple[dict, list[dict]]:
     """Trains the generator to read: each question with the one passage that answers it.
 
@@ -57,21 +65,42 @@ def reader_warm_start(
       learning_rate: peak AdamW learning rate (warmup and decay as the ICT warm start's).
       seed: batches are a function of `(seed, step)`.
       answer_length: label tokens per answer (`config.data.answer_length`).
+      progress: where the warm start saves its state when stopped (SIGTERM) and resumes it from.
+      alternate_with: a second task's examples (salient spans, `training.salient`): odd steps
+        draw their batch from it, even steps from `examples`.
+      context_length: context tokens (passage + question); 0 = `rag_cfg.max_combined_length`.
+      freeze: regex over the generator's parameter paths (`encoder/layer_0/...`) left unchanged,
+        e.g. the encoder of a generator with `frozen_encoder`.
+      pad_multiple: contexts are cut to their longest, rounded up to this (one compiled step
+        per width, `inputs.context_width`); 0 = always `context_length` wide.
+      keep_question: a long passage loses its end, not the question (`context_tokens`).
 
     Returns:
-      (generator parameters, log: {"step", "loss"} every tenth of the steps).
+      (generator parameters, log every tenth of the steps: {"step", "loss" (the mean since the
+      last record), "seconds" and "tokens" (real context tokens read) since this call began}).
     """
-    if steps < 1 or not 1 <= batch_size <= len(examples):
+    pools = [examples] if alternate_with is None else [examples, alternate_with]
+    smallest = min(len(pool) for pool in pools)
+    if steps < 1 or not 1 <= batch_size <= smallest:
         raise ValueError(
             f"reader warm start needs steps >= 1 and 1 <= batch_size <= examples; got {steps}, "
-            f"{batch_size} and {len(examples)} examples"
+            f"{batch_size} and {smallest} examples"
         )
     row = {pid: i for i, pid in enumerate(store.ids)}
-    missing = [e.id for e in examples if not e.gold_ids or e.gold_ids[0] not in row]
-    if missing:
-        raise ValueError(f"{len(missing)} examples name no passage of the store, e.g. {missing[0]}")
-    one_doc = rag_cfg.replace(n_docs=1)
-    tx = make_optimizer(warm_start_settings(float(learning_rate), steps))
+    for pool in pools:
+        missing = [e for e in pool if not e.gold_ids or e.gold_ids[0] not in row]
+        if missing:
+            first = missing[0]
+            raise ValueError(
+                f"{len(missing)} examples name no passage of the store, e.g. {first.id} (gold "
+                f"passage {first.gold_ids[0] if first.gold_ids else None!r})"
+            )
+    one_doc = rag_cfg.replace(
+        n_docs=1, max_combined_length=context_length or rag_cfg.max_combined_length
+    )
+    tx = make_optimizer(
+        warm_start_settings(float(learning_rate), steps, freeze=freeze and f"^({freeze})")
+    )
 
     def loss_fn(generator, batch, rng):
         del rng  # no dropout
@@ -90,23 +119,37 @@ def reader_warm_start(
 
     step_fn = make_step(loss_fn, tx)
     state = init_state(jax.tree.map(jnp.array, generator_params), tx)
+    if progress is not None:  # a warm start stopped midway goes on from where it stopped
+        state = progress.load(state) or state
     log, window, every = [], [], max(1, steps // 10)
-    for step in range(steps):
+    start, tokens = time.perf_counter(), 0
+    for step in range(int(state.step), steps):
+        if progress is not None:
+            progress.stop_if_requested(state, step, steps)
         rng = np.random.default_rng((seed, _READER, step))
-        chosen = [examples[i] for i in rng.choice(len(examples), batch_size, replace=False)]
+        pool = pools[step % len(pools)]
+        chosen = [pool[i] for i in rng.choice(len(pool), batch_size, replace=False)]
         questions = [e.question for e in chosen]
         ids = np.array([[row[e.gold_ids[0]]] for e in chosen])  # -> [B, 1]
         context, mask = store.context_tokens(
-            ids, store.tokenize_questions(tokenizer, questions), one_doc.max_combined_length
+            ids,
+            store.tokenize_questions(tokenizer, questions),
+            one_doc.max_combined_length,
+            keep_question=keep_question,
         )
+        if pad_multiple:
+            width = context_width(mask, one_doc.max_combined_length, pad_multiple)
+            context, mask = context[:, :width], mask[:, :width]
         labels = answer_labels(tokenizer, [e.answers[0] for e in chosen], one_doc, answer_length)
         batch = {"context_input_ids": context, "context_attention_mask": mask, "labels": labels}
         state, metrics = step_fn(state, jax.device_put(batch))
         window.append(metrics["loss"])
+        tokens += int(mask.sum())
         if (step + 1) % every == 0 or step + 1 == steps:
             value = float(np.mean(jax.device_get(window)))
             if not np.isfinite(value):
                 raise FloatingPointError(f"non-finite reader warm-start loss at step {step + 1}")
-            log.append({"step": step + 1, "loss": value})
+            seconds = round(time.perf_counter() - start, 2)  # this process's, since it (re)started
+            log.append({"step": step + 1, "loss": value, "seconds": seconds, "tokens": tokens})
             window = []
     return state.params, log

@@ -18,20 +18,22 @@ import pathlib
 import flax.serialization
 import jax
 
-from rag_jax import data, synthetic
+from rag_jax import checkpoints, data, synthetic
 from rag_jax.retrieval import encode, files
 from rag_jax.retrieval.build import workdir_store
-from rag_jax.retrieval.corpus import Passage
+from rag_jax.retrieval.corpus import Passage, corpus_files, read_corpus
 from rag_jax.retrieval.store import tokenizer_fingerprint
-from rag_jax.training import ict, reader
+from rag_jax.training import ict, reader, salient
 
 # The reader warm start's world: another seed, so other entities and independently drawn facts.
 READER_WORLD_SEED_OFFSET = 1_000_003
 
 
 def cached(label: str, key: dict, template: dict, compute, directory) -> dict:
-    """`compute()` (parameter trees shaped like `template`), cached in
-    `<directory>/<fingerprint of key>.msgpack`."""
+    """`compute(progress)` (parameter trees shaped like `template`), cached in
+    `<directory>/<fingerprint of key>.msgpack`; a computation stopped midway (SIGTERM) keeps its
+    state in `<fingerprint>.partial.msgpack` (`checkpoints.Progress`) and resumes from it.
+    `compute` may return `(value, log)`: the log (JSON) is kept as `<fingerprint>.log.json`."""
     fingerprint = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     directory = pathlib.Path(directory)
     path = directory / f"{fingerprint}.msgpack"
@@ -42,10 +44,17 @@ def cached(label: str, key: dict, template: dict, compute, directory) -> dict:
             raise ValueError(f"{path}: corrupt warm-start cache ({e}); delete it") from e
         print(f"{label}: reusing {path}", flush=True)
         return value
-    value = jax.device_get(compute())
+    progress = checkpoints.Progress(directory / f"{fingerprint}.partial.msgpack", label)
+    value = compute(progress)
+    value, log = value if isinstance(value, tuple) else (value, None)
+    value = jax.device_get(value)
     if jax.process_index() == 0:
         directory.mkdir(parents=True, exist_ok=True)
+        if log is not None:
+            record = {"label": label, "key": key, "log": log}
+            files.write_atomic(directory / f"{fingerprint}.log.json", json.dumps(record).encode())
         files.write_atomic(path, flax.serialization.to_bytes(value))
+    progress.clear()
     return value
 
 
@@ -73,7 +82,7 @@ def retriever(config, rag_cfg, passage_cfg, params, tokenizer, store, workdir) -
         "passage_encoder": encode.encoder_fingerprint(passage_cfg, towers["passage_encoder"]),
     }
 
-    def compute():
+    def compute(progress):
         q_params, p_params, log = ict.ict_warm_start(
             rag_cfg.question_encoder,
             params["question_encoder"],
@@ -88,6 +97,7 @@ def retriever(config, rag_cfg, passage_cfg, params, tokenizer, store, workdir) -
             passage_length=config.retrieval.passage_max_length,
             keep_prob=w.keep_prob,
             passage_format=config.retrieval.passage_format,
+            progress=progress,
         )
         last = log[-1]
         print(
@@ -102,16 +112,22 @@ def retriever(config, rag_cfg, passage_cfg, params, tokenizer, store, workdir) -
 
 
 def generator(config, rag_cfg, params, tokenizer, workdir, own_world) -> dict:
-    """`params` with the generator after `reader.reader_warm_start` on another synthetic world.
+    """`params` with the generator after `reader.reader_warm_start`: on another synthetic world
+    (`warm_start.reader_data = "synthetic"`), or on files of questions and their gold passages,
+    or salient spans of those passages (`"files"`, `_generator_on_files`).
 
     Facts about an entity whose name also occurs in `own_world` (the experiment's) are left out,
     so no name of the experiment's world is seen with an answer.
     """
     d, w = config.data, config.warm_start
+    if w.reader_data == "files":
+        return _generator_on_files(config, rag_cfg, params, tokenizer, workdir)
     if d.source != "synthetic":
         raise ValueError(
-            "config.warm_start.reader_steps needs data.source='synthetic' (it reads another "
-            f"synthetic world); got {d.source!r}: set reader_steps=0"
+            "config.warm_start.reader_steps with reader_data='synthetic' needs "
+            f"data.source='synthetic' (it reads another synthetic world); got {d.source!r}: set "
+            "reader_steps=0, or reader_data='files' with reader_questions_path and "
+            "reader_corpus_path"
         )
     world = synthetic.make_world(
         synthetic.WorldConfig(
@@ -139,7 +155,7 @@ def generator(config, rag_cfg, params, tokenizer, workdir, own_world) -> dict:
         "generator": encode.encoder_fingerprint(rag_cfg.generator, params["generator"]),
     }
 
-    def compute():
+    def compute(progress):
         passages = [Passage(p.id, p.title, p.text) for p in world.passages]
         layout = dict(prefix=rag_cfg.prefix or "", title_sep=rag_cfg.title_sep)
         layout["doc_sep"] = rag_cfg.doc_sep
@@ -155,6 +171,7 @@ def generator(config, rag_cfg, params, tokenizer, workdir, own_world) -> dict:
             learning_rate=config.train.learning_rate,
             seed=config.seed,
             answer_length=d.answer_length,
+            progress=progress,
         )
         print(
             f"reader warm start: {w.reader_steps} steps on {len(examples)} questions of another "
@@ -162,6 +179,89 @@ def generator(config, rag_cfg, params, tokenizer, workdir, own_world) -> dict:
             flush=True,
         )
         return {"generator": weights}
+
+    template = {"generator": params["generator"]}
+    warm = cached("reader warm start", key, template, compute, cache_dir(config, workdir))
+    return dict(params, **warm)
+
+
+def _generator_on_files(config, rag_cfg, params, tokenizer, workdir) -> dict:
+    """The reader warm start on `reader_questions_path` with their gold passages from
+    `reader_corpus_path` (task "qa"), on salient spans masked in those passages ("ssm",
+    `training.salient`), or both on alternate steps ("qa+ssm"). Nothing of the run's evaluation
+    data is read; only the generator trains (its encoder stays fixed with `frozen_encoder`)."""
+    d, w = config.data, config.warm_start
+    corpus = corpus_files(w.reader_corpus_path)
+    passages = list(read_corpus(corpus))
+    context_length = w.reader_context_length or rag_cfg.max_combined_length
+    tasks = w.reader_task.split("+")
+    pools = []
+    if "qa" in tasks:
+        pools.append(data.read_examples(w.reader_questions_path, dict(d.fields or {}) or None))
+    if "ssm" in tasks:
+        mask = getattr(tokenizer, "mask_token", None) or salient.MASK
+        # Sentences a context of `context_length` tokens still shows (~4 characters a token).
+        limit = 4 * max(context_length - d.question_length, 16)
+        pools.append(
+            salient.salient_examples(passages, seed=config.seed, mask_token=mask, max_chars=limit)
+        )
+    for task, pool in zip(tasks, pools):
+        if not pool:
+            source = w.reader_questions_path if task == "qa" else w.reader_corpus_path
+            raise ValueError(
+                f"config.warm_start.reader_task={w.reader_task!r}: the {task} task found no "
+                f"examples in {source}"
+            )
+    batch_size = w.reader_batch_size or config.train.batch_size
+    learning_rate = w.reader_learning_rate or config.train.learning_rate
+    frozen = r"encoder/" if rag_cfg.generator.frozen_encoder else ""
+    key = {
+        "reader": {k: v for k, v in w.items() if k.startswith("reader_") and "path" not in k},
+        "files": [files.sha256_file(p) for p in [w.reader_questions_path, *corpus]],
+        "fields": dict(d.fields or {}),
+        "seed": config.seed,
+        "batch_size": batch_size,
+        "learning_rate": learning_rate,
+        "answer_length": d.answer_length,
+        "context_length": context_length,
+        "keep_question": config.rag.keep_question,
+        "rag": [rag_cfg.label_smoothing, rag_cfg.exclude_bos_score, rag_cfg.prefix],
+        "layout": [rag_cfg.title_sep, rag_cfg.doc_sep],
+        "tokenizer": tokenizer_fingerprint(tokenizer),
+        "generator": encode.encoder_fingerprint(rag_cfg.generator, params["generator"]),
+    }
+
+    def compute(progress):
+        layout = dict(prefix=rag_cfg.prefix or "", title_sep=rag_cfg.title_sep)
+        layout["doc_sep"] = rag_cfg.doc_sep
+        store = workdir_store(
+            passages, tokenizer, pathlib.Path(workdir) / "reader_passages", layout
+        )
+        weights, log = reader.reader_warm_start(
+            rag_cfg,
+            params["generator"],
+            tokenizer,
+            store,
+            pools[0],
+            alternate_with=pools[1] if len(pools) > 1 else None,
+            steps=w.reader_steps,
+            batch_size=batch_size,
+            learning_rate=learning_rate,
+            seed=config.seed,
+            answer_length=d.answer_length,
+            context_length=context_length,
+            freeze=frozen,
+            pad_multiple=config.rag.context_pad_multiple,
+            keep_question=config.rag.keep_question,
+            progress=progress,
+        )
+        sizes = " and ".join(f"{len(p)} {t} examples" for t, p in zip(tasks, pools))
+        print(
+            f"reader warm start: {w.reader_steps} steps on {sizes}, loss {log[0]['loss']:.3f} -> "
+            f"{log[-1]['loss']:.3f}",
+            flush=True,
+        )
+        return {"generator": weights}, {"examples": dict(zip(tasks, map(len, pools))), "log": log}
 
     template = {"generator": params["generator"]}
     warm = cached("reader warm start", key, template, compute, cache_dir(config, workdir))

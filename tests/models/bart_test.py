@@ -203,3 +203,56 @@ def test_bad_shapes_are_refused(tiny_bart):
         model.apply({"params": params}, ids, mask, too_long)
     with pytest.raises(ValueError, match="batch"):
         model.apply({"params": params}, ids, mask, dec[:2])
+
+
+@pytest.mark.parametrize("layerdrop", [0.0, 1.0])
+def test_layerdrop_is_read_and_applied_as_pytorch_applies_it(tmp_path, layerdrop):
+    """HF's LayerDrop in training mode (dropout off, so the only randomness is LayerDrop):
+    probability 1 skips every layer of both stacks, probability 0 runs them all; both
+    deterministic, so the PyTorch model's outputs are the reference. Inference ignores it."""
+    overrides = dict(encoder_layerdrop=layerdrop, decoder_layerdrop=layerdrop)
+    overrides.update(dropout=0.0, attention_dropout=0.0, activation_dropout=0.0)
+    torch_model = hf_fixtures.save_bart(tmp_path, seed=3, **overrides)
+    cfg, params = hf.load_bart(tmp_path)
+    assert (cfg.encoder_layerdrop, cfg.decoder_layerdrop) == (layerdrop, layerdrop)
+    ids, mask, dec = _inputs(cfg, seed=4)
+    torch_model.train()
+    with torch.no_grad():
+        ref = torch_model(
+            input_ids=torch.tensor(ids),
+            attention_mask=torch.tensor(mask),
+            decoder_input_ids=torch.tensor(dec),
+        )
+    model = bart.Bart(cfg)
+    rngs = {"dropout": jax.random.PRNGKey(0)}
+    train, aux = model.apply({"params": params}, ids, mask, dec, None, False, rngs=rngs)
+    np.testing.assert_allclose(aux["encoded"], ref.encoder_last_hidden_state, atol=1e-4, rtol=0)
+    np.testing.assert_allclose(train, ref.logits.numpy(), atol=1e-4, rtol=0)
+    torch_model.eval()
+    with torch.no_grad():
+        ref_eval = torch_model(
+            input_ids=torch.tensor(ids),
+            attention_mask=torch.tensor(mask),
+            decoder_input_ids=torch.tensor(dec),
+        ).logits.numpy()
+    inference, _ = model.apply({"params": params}, ids, mask, dec)
+    np.testing.assert_allclose(inference, ref_eval, atol=1e-4, rtol=0)
+    assert (layerdrop == 0.0) == np.allclose(train, inference, atol=1e-4)
+
+
+def test_the_lm_head_accumulates_in_float32_under_bfloat16(tiny_bart):
+    """bfloat16 compute: the logits are the float32 products of the bfloat16 decoder output and
+    embedding, not those products rounded to bfloat16."""
+    _, cfg, params = tiny_bart
+    rng = np.random.default_rng(5)
+    x = jnp.asarray(rng.normal(size=(3, 4, cfg.d_model)) * 4, jnp.bfloat16)
+    embedding = jnp.asarray(params["shared"]["embedding"])
+    bias = jnp.asarray(rng.normal(size=cfg.vocab_size), jnp.float32)
+    logits = bart.lm_head(x, embedding, bias)
+    assert logits.dtype == jnp.float32
+    exact = np.asarray(x, np.float64) @ np.asarray(
+        embedding.astype(jnp.bfloat16), np.float64
+    ).T + np.asarray(bias)
+    np.testing.assert_allclose(logits, exact, rtol=1e-5, atol=1e-4)
+    rounded = np.asarray((x @ embedding.astype(jnp.bfloat16).T).astype(np.float32)) + bias
+    assert np.max(np.abs(rounded - exact)) > 10 * np.max(np.abs(np.asarray(logits) - exact))

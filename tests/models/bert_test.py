@@ -10,6 +10,7 @@ import transformers
 import hf_fixtures
 from rag_jax import hf
 from rag_jax.models import bert
+from rag_jax.retrieval import encode
 
 SENTENCES = [
     "Where was Marie Curie born?",
@@ -92,6 +93,47 @@ def test_minilm_real_weights_match_pytorch(minilm):
     pooled, aux = _run(cfg, params, batch["input_ids"], batch["attention_mask"])
     np.testing.assert_allclose(pooled, ref.last_hidden_state[:, 0].numpy(), atol=1e-4, rtol=0)
     np.testing.assert_allclose(aux["pooler_output"], ref.pooler_output.numpy(), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("normalize", [False, True])
+def test_mean_pooling_matches_a_numpy_mean_of_pytorch_states(minilm, normalize):
+    """sentence-transformers' vector (all-MiniLM-L6-v2's): the mean of HF `BertModel`'s last
+    states over the real tokens (padding left out), then divided by its L2 norm."""
+    path, batch = minilm
+    cfg, params = hf.load_bert(path)
+    cfg = cfg.replace(pooling="mean", normalize=normalize)
+    torch_model = transformers.AutoModel.from_pretrained(str(path)).eval()
+    with torch.no_grad():
+        ref = torch_model(**{k: torch.tensor(v) for k, v in batch.items()})
+    hidden = ref.last_hidden_state.numpy().astype(np.float64)
+    mask = batch["attention_mask"].astype(np.float64)[:, :, None]
+    assert mask.min() == 0  # the batch is padded: a plain mean would differ
+    want = (hidden * mask).sum(1) / mask.sum(1)
+    if normalize:
+        want = want / np.linalg.norm(want, axis=-1, keepdims=True)
+    pooled, _ = _run(cfg, params, batch["input_ids"], batch["attention_mask"])
+    np.testing.assert_allclose(pooled, want, atol=1e-5 if normalize else 1e-4, rtol=0)
+    if normalize:
+        np.testing.assert_allclose(np.linalg.norm(pooled, axis=-1), 1.0, atol=1e-6)
+    # The corpus encoder (which skips most of the last layer with [CLS] pooling) agrees.
+    fast = encode.pooled_vectors(cfg, params, batch["input_ids"], batch["attention_mask"])
+    np.testing.assert_allclose(fast, pooled, atol=1e-6, rtol=0)
+
+
+def test_pooling_changes_the_encoder_fingerprint_only_when_set(tiny_bert):
+    """An index encoded before the pooling options existed still matches its [CLS] encoder."""
+    _, cfg, params = tiny_bert
+    base = encode.encoder_fingerprint(cfg, params)
+    assert encode.encoder_fingerprint(cfg.replace(pooling="cls", normalize=False), params) == base
+    mean = encode.encoder_fingerprint(cfg.replace(pooling="mean"), params)
+    unit = encode.encoder_fingerprint(cfg.replace(normalize=True), params)
+    assert len({base, mean, unit}) == 3
+    with pytest.raises(ValueError, match="pooling must be one of"):
+        _run(
+            cfg.replace(pooling="max"),
+            params,
+            *hf_fixtures.padded_batch(np.random.default_rng(0), [3], cfg.vocab_size),
+        )
 
 
 def test_bfloat16_compute_stays_close_to_float32(minilm):

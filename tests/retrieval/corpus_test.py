@@ -11,12 +11,12 @@ import pytest
 from rag_jax.retrieval import corpus
 from rag_jax.retrieval.corpus import Passage
 
-# Quoted fields, doubled quotes, a tab and a newline inside quotes, unicode: what DPR's TSV holds.
+# Quoted fields, doubled quotes, a tab inside quotes, unicode: what DPR's TSV holds.
 DPR_TSV = (
     "id\ttext\ttitle\n"
     '1\t"Aaron ( or ; ""Ahärôn"") was a prophet"\tAaron\n'
     '2\tplain text, no quotes\t"""Quoted"" title"\n'
-    '3\t"a\ttab and a\nnewline inside"\tMulti line\n'
+    '3\t"a\ttab inside, then a ""quote"""\tTabbed\n'
     "4\t\t\n"
     "5\tnaïve 中文 😀\tZoë\n"
 )
@@ -44,8 +44,26 @@ def test_read_tsv_parses_like_dpr(tmp_path):
     assert passages == _dpr_reference(path)
     assert passages[0] == Passage("1", "Aaron", 'Aaron ( or ; "Ahärôn") was a prophet')
     assert passages[1].title == '"Quoted" title'
-    assert passages[2].text == "a\ttab and a\nnewline inside"
+    assert passages[2].text == 'a\ttab inside, then a "quote"'
     assert passages[3] == Passage("4", "", "")
+
+
+@pytest.mark.parametrize(
+    "rows, line",
+    [
+        # An unbalanced quote: the text of row 1 would swallow row 2, whose title it would take.
+        (['1\t"He said hi\tT1', '2\tbye" she said\tT2', "3\tok\tT3"], 2),
+        # A quoted line break: one passage across two lines.
+        (["1\tfine\tT1", '2\t"first line', 'second line"\tT2'], 3),
+    ],
+)
+def test_a_quote_running_past_its_line_is_refused_naming_the_line(tmp_path, rows, line):
+    path = _write(tmp_path, "psgs.tsv", "id\ttext\ttitle\n" + "\n".join(rows) + "\n")
+    out = []
+    with pytest.raises(ValueError, match=rf"psgs.tsv, line {line}: a quoted field runs on"):
+        for passage in corpus.read_tsv(path):
+            out.append(passage)
+    assert len(out) == line - 2  # every row before the refused one, none dropped
 
 
 def test_read_tsv_gzip_column_order_and_extra_columns(tmp_path):
@@ -58,10 +76,10 @@ def test_read_tsv_gzip_column_order_and_extra_columns(tmp_path):
 
 
 def test_read_tsv_reads_crlf_and_cr_line_ends_like_text_mode(tmp_path):
-    # DPR opens the file in text mode, so \r\n and \r end lines (also inside quoted fields).
+    # DPR opens the file in text mode, so \r\n and \r end lines.
     path = _write(tmp_path, "psgs.tsv", DPR_TSV.replace("\n", "\r\n"))
     assert list(corpus.read_tsv(path)) == _dpr_reference(path)
-    assert list(corpus.read_tsv(path))[2].text == "a\ttab and a\nnewline inside"
+    assert list(corpus.read_tsv(path))[2].text == 'a\ttab inside, then a "quote"'
     path = _write(tmp_path, "cr.tsv", "id\ttext\ttitle\r1\tx\tT")
     assert list(corpus.read_tsv(path)) == [Passage("1", "T", "x")]
 
@@ -226,3 +244,23 @@ def test_reads_the_shared_squad_passages(shared_data):
     assert passages[0].text.startswith("Super Bowl 50 was an American football game")
     with open(path, encoding="utf-8") as f:
         assert passages == [Passage(**json.loads(line)) for line in f]
+
+
+def test_a_corpus_of_several_files_reads_them_in_order_and_refuses_ids_repeated_across(tmp_path):
+    first, second = tmp_path / "train.jsonl", tmp_path / "dev.tsv"
+    first.write_text(
+        "".join(json.dumps({"id": f"t{i}", "title": "T", "text": f"x{i}"}) + "\n" for i in range(3))
+    )
+    second.write_text("id\ttext\ttitle\nd0\ty0\tD\nd1\ty1\tD\n")
+    got = list(corpus.read_corpus(f"{first}, {second}"))
+    assert [p.id for p in got] == ["t0", "t1", "t2", "d0", "d1"]
+    assert list(corpus.read_corpus([first])) == got[:3] == list(corpus.read_passages(first))
+    assert corpus.corpus_files(f"{first},,{second},") == [str(first), str(second)]
+    with pytest.raises(ValueError, match="no corpus file"):
+        corpus.corpus_files(" , ")
+    second.write_text("id\ttext\ttitle\nd0\ty0\tD\nt1\ty1\tD\n")
+    with pytest.raises(ValueError) as err:
+        list(corpus.read_corpus(f"{first},{second}"))
+    message = str(err.value)
+    assert "duplicate passage id 't1'" in message
+    assert f"passage 2 of {second}" in message and f"passage 2 of {first}" in message

@@ -433,6 +433,24 @@ def test_damaged_shards_fail_naming_the_file(tiny, tokenizer, tmp_path):
         vectors.load_vectors(tmp_path)
 
 
+@pytest.mark.parametrize("offset", range(10, 80, 7))
+def test_a_damaged_npy_header_is_refused_naming_the_shard(tiny, tokenizer, tmp_path, offset):
+    """A flipped byte in a shard's `.npy` header (its dtype, shape or padding): numpy's header
+    parser may raise anything (`tokenize.TokenError`, `SyntaxError`, ...), which is never what
+    reaches the caller. With checksums on, the file is reported corrupted before it is parsed;
+    with them off, the header is refused naming the file."""
+    _corpus(tiny, tokenizer, ListStore(_passages(8, seed=2)), tmp_path)
+    shard = tmp_path / "vectors-00000.npy"
+    raw = bytearray(shard.read_bytes())
+    assert offset < raw[8] + 10  # inside the header (its length is at bytes 8-9)
+    raw[offset] ^= 0x5A
+    shard.write_bytes(bytes(raw))
+    with pytest.raises(ValueError, match=r"vectors-00000\.npy is corrupted"):
+        vectors.load_vectors(tmp_path)
+    with pytest.raises(ValueError, match=r"vectors-00000\.npy"):
+        vectors.load_vectors(tmp_path, verify=False)
+
+
 def test_bad_inputs_fail_clearly(tiny, tokenizer, tmp_path):
     _, cfg, params = tiny
     with pytest.raises(ValueError, match="corpus is empty"):

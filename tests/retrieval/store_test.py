@@ -182,6 +182,34 @@ def test_rows_are_b_times_n_plus_n_and_padded_questions_match_lists(tmp_path, ba
     np.testing.assert_array_equal(from_padded[1], attention_mask)
 
 
+@pytest.mark.parametrize("max_length", [6, 12, 20, 200])
+def test_keep_question_cuts_the_passage_not_the_question(tmp_path, tokenizer, max_length):
+    """With `keep_question` a long passage loses its end and the whole question follows it;
+    contexts that fit are HF's exactly."""
+    long_text = " ".join(f"word{i % 13}" for i in range(60))
+    records = [Passage("0", "Long", long_text), Passage("1", "Short", "tiny"), Passage("2", "", "")]
+    store = PassageStore.build(records, tokenizer, tmp_path / "store")
+    questions = store.tokenize_questions(tokenizer, ["who wrote the long text?", "", "what"])
+    passage_idx = np.array([[0, 1, 2], [0, 2, 1], [1, 0, 2]])  # [B=3, N=3]
+    ids, mask = store.context_tokens(passage_idx, questions, max_length, keep_question=True)
+    hf_ids, hf_mask = store.context_tokens(passage_idx, questions, max_length)
+    specials = tokenizer("")["input_ids"]
+    budget = max_length - len(specials)
+    for b in range(3):
+        for n in range(3):
+            row = b * 3 + n
+            piece = store.passage_token_ids(passage_idx[b, n]).tolist()
+            question = questions[b][:budget]
+            kept = piece[: budget - len(question)]
+            expected = specials[:1] + kept + question + specials[1:]
+            assert ids[row, : len(expected)].tolist() == expected, (b, n)
+            assert mask[row].tolist() == [1] * len(expected) + [0] * (max_length - len(expected))
+            assert (ids[row, len(expected) :] == store.manifest["pad_id"]).all()
+            if len(piece) + len(questions[b]) <= budget:  # it fits: HF's layout, unchanged
+                np.testing.assert_array_equal(ids[row], hf_ids[row])
+                np.testing.assert_array_equal(mask[row], hf_mask[row])
+
+
 def test_store_round_trip_and_manifest(tmp_path, bart_tokenizer):
     records = [Passage("a", '"Zoë"', "naïve text 😀"), Passage("b", "", ""), Passage("c", "T", "x")]
     PassageStore.build(iter(records), bart_tokenizer, tmp_path / "store", batch_size=2)
@@ -365,6 +393,26 @@ def test_open_rejects_a_bad_manifest_or_offsets(built):
     (built / "manifest.json").unlink()
     with pytest.raises(FileNotFoundError, match="manifest.json: missing"):
         PassageStore.open(built)
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [("suffix_ids", [7]), ("prefix_ids", []), ("pad_id", 3), ("doc_sep", " || "), ("count", 2)],
+)
+def test_an_edited_or_damaged_manifest_is_refused(built, field, value):
+    """Every field of the manifest is sealed by its checksum: editing one (contexts would end in
+    another token, or the separators would change) is refused naming the file."""
+    path = built / "manifest.json"
+    manifest = json.loads(path.read_text())
+    assert manifest[field] != value
+    manifest[field] = value
+    path.write_text(json.dumps(manifest))
+    with pytest.raises(ValueError, match=r"manifest.json: its manifest_sha256 does not match"):
+        PassageStore.open(built)
+    del manifest["manifest_sha256"]  # nor can the seal be removed
+    path.write_text(json.dumps(manifest))
+    with pytest.raises(ValueError, match=r"manifest.json: its manifest_sha256 does not match"):
+        PassageStore.open(built, verify=False)
 
 
 def test_squad_passages_contexts_equal_hf(tmp_path, shared_data, tokenizer):

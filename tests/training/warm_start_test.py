@@ -1,6 +1,7 @@
 """The reader warm start (the generator reads another world first) and the warm-start cache."""
 
 import functools
+import json
 
 import jax
 import numpy as np
@@ -96,7 +97,121 @@ def test_experiment_reads_another_world_and_caches_it(tmp_path, reader_exp, caps
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
     config.data.source = "files"
-    with pytest.raises(ValueError, match="reader_steps needs data.source='synthetic'"):
+    with pytest.raises(ValueError, match="reader_data='synthetic' needs data.source='synthetic'"):
         warm_start.generator(
             config, exp.rag_cfg, exp.params, exp.generator_tokenizer, tmp_path, exp.world
         )
+
+
+# ---------------------------------------------------------------------------------------------
+# The reader warm start on files (real text's: questions with their gold passages, salient spans)
+
+
+def _world_files(exp, directory):
+    """The experiment's world as a questions file (with gold ids) and a passages file."""
+    import json
+
+    directory.mkdir(parents=True, exist_ok=True)
+    questions = directory / "questions.jsonl"
+    passages = directory / "passages.jsonl"
+    rows = [
+        {
+            "question": e.question,
+            "answers": list(e.answers),
+            "id": e.id,
+            "gold_ids": list(e.gold_ids),
+        }
+        for e in exp.train
+    ]
+    questions.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    records = [exp.store.passage(i) for i in range(len(exp.store))]
+    passages.write_text(
+        "".join(json.dumps({"id": p.id, "title": p.title, "text": p.text}) + "\n" for p in records)
+    )
+    return questions, passages
+
+
+def test_reader_on_files_learns_to_read_and_the_oracle_says_so(tmp_path, reader_exp, capsys):
+    from rag_jax import evaluation, experiment
+    from tiny_runs import tiny_config
+
+    questions, passages = _world_files(reader_exp, tmp_path / "files")
+    overrides = {
+        "warm_start.reader_data": "files",
+        "warm_start.reader_questions_path": str(questions),
+        "warm_start.reader_corpus_path": str(passages),
+        "warm_start.reader_steps": 60,
+        "warm_start.reader_batch_size": 8,
+        "warm_start.reader_learning_rate": 2e-3,
+        "warm_start.cache_dir": str(tmp_path / "cache"),
+    }
+    config = tiny_config(**overrides)
+    exp = experiment.build(config, tmp_path / "a", retriever=False)
+    assert f"reader warm start: 60 steps on {len(reader_exp.train)} qa examples" in (
+        capsys.readouterr().out
+    )
+    # Only the generator moved.
+    for name in ("question_encoder", "passage_encoder"):
+        for a, b in zip(
+            jax.tree.leaves(exp.params[name]), jax.tree.leaves(reader_exp.params[name])
+        ):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # Oracle: each question with its gold passage alone. Before the warm start the generator
+    # reads nothing; after it, it answers most of the questions it read.
+    before, _ = evaluation.oracle(reader_exp, reader_exp.params, reader_exp.train[:32])
+    after, predictions = evaluation.oracle(exp, exp.params, exp.train[:32])
+    assert before["exact_match"] < 0.1 and after["exact_match"] > 0.5, (before, after)
+    assert [p["retrieved"] for p in predictions] == [list(e.gold_ids[:1]) for e in exp.train[:32]]
+    # The same settings reuse the cached warm start; its log is kept beside it.
+    again = experiment.build(config, tmp_path / "b", retriever=False)
+    assert "reader warm start: reusing" in capsys.readouterr().out
+    for a, b in zip(jax.tree.leaves(again.params), jax.tree.leaves(exp.params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    (log,) = (tmp_path / "cache" / "warm_start").glob("*.log.json")
+    records = json.loads(log.read_text())["log"]["log"]
+    assert records[-1]["step"] == 60 and records[-1]["tokens"] > 0 and records[-1]["seconds"] > 0
+
+    # Salient spans alternate with the questions (qa+ssm); both tasks' examples are counted.
+    # The world's lower-case passages have no salient span: refused, naming the corpus.
+    mixed = tiny_config(**dict(overrides, **{"warm_start.reader_task": "qa+ssm"}))
+    mixed.warm_start.reader_steps = 2
+    with pytest.raises(ValueError, match=rf"the ssm task found no examples in {passages}"):
+        experiment.build(mixed, tmp_path / "c", retriever=False)
+    spans = tmp_path / "files" / "spans.jsonl"
+    records = [json.loads(line) for line in passages.read_text().splitlines()]
+    for r in records:  # first: a 32-token context shows only the passage's first sentence
+        r["text"] = f"It was first measured in 1889 by Gustave Eiffel. So {r['text']}"
+    spans.write_text("".join(json.dumps(r) + "\n" for r in records))
+    mixed.warm_start.reader_corpus_path = str(spans)
+    experiment.build(mixed, tmp_path / "c", retriever=False)
+    assert f"{len(exp.train)} qa examples and {len(records)} ssm examples" in (
+        capsys.readouterr().out
+    )
+
+    # A question whose gold passage is not in the reader's corpus is refused, naming it.
+    stray = tmp_path / "files" / "stray.jsonl"
+    stray.write_text(
+        questions.read_text()
+        + json.dumps({"question": "q?", "answers": ["a"], "id": "odd", "gold_ids": ["nowhere"]})
+        + "\n"
+    )
+    bad = tiny_config(**dict(overrides, **{"warm_start.reader_questions_path": str(stray)}))
+    with pytest.raises(ValueError, match=r"1 examples name no passage of the store, e.g\. odd "
+                       r"\(gold passage 'nowhere'\)"):  # fmt: skip
+        experiment.build(bad, tmp_path / "d", retriever=False)
+    with pytest.raises(ValueError, match=r"1 questions have no gold passage in the store"):
+        evaluation.oracle(exp, exp.params, [data.Example("q?", ("a",), "odd", ("nowhere",))])
+
+
+def test_questions_whose_gold_passage_is_not_in_the_corpus_are_refused(reader_exp):
+    """`experiment.build` checks every question's gold ids against the store before any warm
+    start: a missing one would count as a retrieval miss no model could avoid."""
+    from rag_jax import experiment
+
+    exp = reader_exp
+    stray = data.Example("q?", ("a",), "odd", ("no_such_passage",))
+    experiment._check_gold_ids(exp.config, exp.train, exp.eval, exp.store)  # the world's: fine
+    with pytest.raises(ValueError, match=r"1 gold passage ids of the eval questions are not in "
+                       r"the corpus \(.*, \d+ passages\), e\.g\. question 'odd' names "
+                       r"'no_such_passage'"):  # fmt: skip
+        experiment._check_gold_ids(exp.config, exp.train, [*exp.eval, stray], exp.store)

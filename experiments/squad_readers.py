@@ -1,0 +1,166 @@
+r"""Which reader warm start reads SQuAD best for its CPU time: oracle EM with the gold paragraph.
+
+    python experiments/squad_readers.py --out /tmp/readers --select --steps 300
+    python experiments/squad_readers.py --out /tmp/readers --variants default
+
+Each variant is `experiments/configs/squad_open.py` with a few overrides (`VARIANTS`): how many
+MiniLM layers the generator's encoder and decoder take, a BERT-initialised or fresh decoder, the
+reader task (SQuAD train questions, salient spans of the train paragraphs, or both). Each trains
+the reader warm start only (no retrieval, no joint training) and is then evaluated "oracle": every
+question with its gold paragraph given alone (p(z|x) = 1), EM/F1 of the generated answer.
+
+`--select` chooses among variants without touching the dev set: whole articles of SQuAD *train*
+(`--holdout_articles`, drawn by seed) are left out of the reader's questions and paragraphs, and
+the oracle EM is measured on their questions. Without it, the reader trains on all of SQuAD train
+and the oracle EM is measured on the SQuAD dev questions (the number the README reports).
+
+Writes `<out>/readers.json` (per variant: oracle EM/F1, reader seconds, seconds per step, context
+tokens per second, the reader's loss log) and prints a Markdown table.
+"""
+
+import argparse
+import importlib.util
+import json
+import os
+import pathlib
+import time
+
+import numpy as np
+
+from rag_jax import data, evaluation, experiment, host, settings
+from rag_jax.retrieval import files
+from rag_jax.retrieval.corpus import read_passages
+
+_SPEC = importlib.util.spec_from_file_location(
+    "squad_open", pathlib.Path(__file__).resolve().parent / "configs" / "squad_open.py"
+)
+squad_open = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(squad_open)
+
+# name -> overrides of squad_open.py (the default is the config as it is).
+VARIANTS = {
+    "default": {},
+    "enc3_dec1": {"model.generator_encoder_layers": 3, "model.generator_decoder_layers": 1},
+    "fresh_decoder": {"model.generator_decoder_init": "random"},
+    "qa+ssm": {"warm_start.reader_task": "qa+ssm"},
+    "ssm": {"warm_start.reader_task": "ssm"},
+}
+
+
+def holdout_split(questions_path, passages_path, articles: int, seed: int, out: pathlib.Path):
+    """Writes the train questions and paragraphs of all but `articles` articles to `out`;
+    returns (their two paths, the held-out articles' questions)."""
+    passages = list(read_passages(passages_path))
+    titles = sorted({p.title for p in passages})
+    rng = np.random.default_rng(seed)
+    held = {titles[i] for i in rng.choice(len(titles), articles, replace=False)}
+    title_of = {p.id: p.title for p in passages}
+    out.mkdir(parents=True, exist_ok=True)
+    kept_passages = out / "passages.jsonl"
+    kept_questions = out / "questions.jsonl"
+    lines = [
+        json.dumps({"id": p.id, "title": p.title, "text": p.text})
+        for p in passages
+        if p.title not in held
+    ]
+    files.write_atomic(kept_passages, ("\n".join(lines) + "\n").encode())
+    kept, held_out = [], []
+    with open(questions_path, encoding="utf-8") as f:
+        for line in f:
+            record = json.loads(line)
+            (held_out if title_of[record["gold_passage_id"]] in held else kept).append(line)
+    files.write_atomic(kept_questions, "".join(kept).encode())
+    evals = data.read_examples(questions_path, data.SQUAD_OPEN_FIELDS)
+    ids = {json.loads(line)["id"] for line in held_out}
+    return kept_questions, kept_passages, [e for e in evals if e.id in ids]
+
+
+def run_variant(name, overrides, args, out: pathlib.Path) -> dict:
+    config = settings.override(squad_open.get_config(), dict(overrides))
+    config.warm_start.cache_dir = str(out / name / "cache")  # one reader per variant
+    config.warm_start.reader_steps = args.steps or config.warm_start.reader_steps
+    config.seed = args.seed
+    if args.select:
+        questions, passages, evals = holdout_split(
+            config.warm_start.reader_questions_path,
+            config.warm_start.reader_corpus_path,
+            args.holdout_articles,
+            args.seed,
+            out / "holdout",
+        )
+        config.warm_start.reader_questions_path = str(questions)
+        config.warm_start.reader_corpus_path = str(passages)
+    settings.validate(config, num_devices=1)
+    start = time.perf_counter()
+    exp = experiment.build(config, out / name, retriever=False)
+    seconds = time.perf_counter() - start
+    if not args.select:
+        evals = exp.eval
+    evals = evals[: args.max_eval or None]
+    start = time.perf_counter()
+    oracle, predictions = evaluation.oracle(exp, exp.params, evals)
+    logs = sorted((out / name / "cache" / "warm_start").glob("*.log.json"))
+    # {"examples": per task, "log": [...]}; absent when an older run's cache was reused.
+    log = json.loads(logs[-1].read_text())["log"] if logs else {}
+    last = (log.get("log") or [{}])[-1]
+    return {
+        "overrides": overrides,
+        "oracle": oracle,
+        "questions": len(evals),
+        "build_seconds": round(seconds, 1),
+        "oracle_seconds": round(time.perf_counter() - start, 1),
+        "reader_steps": config.warm_start.reader_steps,
+        "reader_seconds": last.get("seconds"),
+        "seconds_per_step": last["seconds"] / last["step"] if last else None,
+        "context_tokens_per_second": last["tokens"] / last["seconds"] if last else None,
+        "reader": log,
+        "examples": predictions[:20],
+    }
+
+
+def table(results: dict) -> str:
+    """One Markdown row per variant."""
+    head = ["variant", "oracle EM", "oracle F1", "reader loss", "s / step", "tokens / s", "n"]
+    lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
+    for name, r in results.items():
+        losses = [x["loss"] for x in (r.get("reader") or {}).get("log", [])]
+        cells = [
+            name,
+            f"{r['oracle']['exact_match']:.3f}",
+            f"{r['oracle']['f1']:.3f}",
+            f"{losses[0]:.2f} -> {losses[-1]:.2f}" if losses else "-",
+            f"{r['seconds_per_step']:.2f}" if r["seconds_per_step"] else "-",
+            f"{r['context_tokens_per_second']:.0f}" if r["context_tokens_per_second"] else "-",
+            str(r["questions"]),
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--select", action="store_true", help="held-out train articles")
+    parser.add_argument("--holdout_articles", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=0, help="reader steps; 0 = the config's")
+    parser.add_argument("--max_eval", type=int, default=0, help="first N questions; 0 = all")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    out = pathlib.Path(args.out).absolute()
+    path = out / "readers.json"
+    results = json.loads(path.read_text()) if path.is_file() else {}
+    for name in args.variants.split(","):
+        if name not in VARIANTS:
+            parser.error(f"unknown variant {name!r}; choose from {sorted(VARIANTS)}")
+        print(f"\n== {name} ==", flush=True)
+        results[name] = run_variant(name, VARIANTS[name], args, out)
+        print(json.dumps({name: results[name]["oracle"]}), flush=True)
+        files.write_atomic(path, json.dumps(results, indent=1).encode())
+    print("\n" + table(results))
+
+
+if __name__ == "__main__":
+    host.restart_with_host_settings()
+    main()
