@@ -16,7 +16,6 @@ import os
 import pathlib
 
 import feedback_study
-
 from rag_jax import host
 
 # Loaded by path, as `--config experiments/configs/feedback.py` would load it.

@@ -153,7 +153,9 @@ def run(
     out: pathlib.Path,
     selected: dict[str, dict],
     *,
-    hot_swap_fraction: float,
+    hot_swap_fraction: float = 0.0,
+    swap=None,
+    cache_dir=None,
     quick: bool = False,
     make_plot: bool = True,
 ) -> dict:
@@ -161,6 +163,13 @@ def run(
 
     Rows already in `out/results.json` are kept, so an interrupted experiment resumes where it
     stopped. Writes `out/results.json` after every row and `out/curves.png` at the end.
+
+    Args:
+      base: the experiment's config; `selected`: row name -> overrides.
+      hot_swap_fraction: the synthetic world's hot swap (`hot_swap`) of every row but closed
+        book, when `swap` is None.
+      swap: `swap(row workdir) -> dict`, another hot swap (real text's), instead.
+      cache_dir: where the rows' warm starts are shared (default `out/cache`).
 
     Returns:
       {"config", "quick", "rows": {row: {"overrides", "final", "curve", "seconds",
@@ -176,7 +185,7 @@ def run(
     for name, overrides in selected.items():
         print(f"\n== {name} ==", flush=True)
         t0 = time.perf_counter()
-        config = row_config(base, overrides, str(out / "cache"))
+        config = row_config(base, overrides, str(cache_dir or out / "cache"))
         summary = loop.train_and_evaluate(config, out / name)
         row = {
             "overrides": overrides,
@@ -185,7 +194,9 @@ def run(
             "seconds": round(time.perf_counter() - t0, 1),
         }
         if name != "closed_book":
-            row["hot_swap"] = hot_swap(out / name, hot_swap_fraction, base.seed)
+            row["hot_swap"] = (
+                swap(out / name) if swap else hot_swap(out / name, hot_swap_fraction, base.seed)
+            )
         results["rows"][name] = row
         print(json.dumps({name: {"final": row["final"], "hot_swap": row.get("hot_swap")}}))
         files.write_atomic(previous, json.dumps(results, indent=1, sort_keys=True).encode())

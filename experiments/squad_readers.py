@@ -42,8 +42,16 @@ VARIANTS = {
     "default": {},
     "enc3_dec1": {"model.generator_encoder_layers": 3, "model.generator_decoder_layers": 1},
     "fresh_decoder": {"model.generator_decoder_init": "random"},
+    "cross_copy": {"model.generator_decoder_init": "bert_cross"},
+    "lr_1e-3": {"warm_start.reader_learning_rate": 1e-3},
+    "cross_copy_lr_1e-3": {
+        "model.generator_decoder_init": "bert_cross",
+        "warm_start.reader_learning_rate": 1e-3,
+    },
     "qa+ssm": {"warm_start.reader_task": "qa+ssm"},
     "ssm": {"warm_start.reader_task": "ssm"},
+    # The tied embedding / LM head fixed too: no gradient into the 30,522 x 384 table.
+    "frozen_embedding": {"train.freeze": squad_open.FREEZE[:-1] + "|generator/shared/)"},
 }
 
 
@@ -92,7 +100,9 @@ def run_variant(name, overrides, args, out: pathlib.Path) -> dict:
         config.warm_start.reader_corpus_path = str(passages)
     settings.validate(config, num_devices=1)
     start = time.perf_counter()
-    exp = experiment.build(config, out / name, retriever=False)
+    # One workdir for every variant: its passage stores are built once; the readers are cached
+    # apart (`warm_start.cache_dir`).
+    exp = experiment.build(config, out / "work", retriever=False)
     seconds = time.perf_counter() - start
     if not args.select:
         evals = exp.eval

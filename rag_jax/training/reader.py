@@ -70,7 +70,7 @@ def reader_warm_start(
         draw their batch from it, even steps from `examples`.
       context_length: context tokens (passage + question); 0 = `rag_cfg.max_combined_length`.
       freeze: regex over the generator's parameter paths (`encoder/layer_0/...`) left unchanged,
-        e.g. the encoder of a generator with `frozen_encoder`.
+        e.g. the frozen layers of a generator with `frozen_encoder_layers`.
       pad_multiple: contexts are cut to their longest, rounded up to this (one compiled step
         per width, `inputs.context_width`); 0 = always `context_length` wide.
       keep_question: a long passage loses its end, not the question (`context_tokens`).

@@ -111,3 +111,77 @@ def salient_examples(
                 Example(question, (sentence[start:end],), f"{passage.id}:ssm{s}", (passage.id,))
             )
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Hot swap on real text: answers changed inside their gold passages
+
+_KINDS = {
+    "year": re.compile(r"1\d{3}|20\d{2}"),
+    "date": re.compile(_DATE),
+    "number": re.compile(_NUMBER),
+    "name": re.compile(_NAME),
+}
+
+
+def span_kind(text: str) -> str | None:
+    """The kind of salient span the whole of `text` is: "year", "date", "number" or "name" (a
+    year is replaced by a year, not by any number), or None."""
+    for kind, pattern in _KINDS.items():
+        if pattern.fullmatch(text):
+            return kind
+    return None
+
+
+def edit_answers(
+    passages: Sequence[Passage], examples: Sequence[Example], count: int, seed: int
+) -> tuple[list[Passage], list[Example], list[Example]]:
+    """Changes the answer of `count` questions inside their gold passages (the hot-swap test).
+
+    A question qualifies when its first answer is one salient span (a year, a date, a number or a
+    name, `span_kind`) that occurs exactly once in its gold passage, and no other chosen question
+    shares that passage. The answer is replaced by the answer of another qualifying question of
+    the same kind that the passage does not contain, so the edit reads as naturally as the
+    original.
+
+    Args:
+      passages: the corpus.
+      examples: the questions to choose from (`gold_ids[0]` names each one's passage).
+      count: how many to edit (fewer qualify: all of them).
+      seed: which questions, and which replacements.
+
+    Returns:
+      (the corpus with the edited passages in place, the edited questions with their new answer
+      as the only one, the same questions with their original answers), in the order chosen.
+    """
+    by_id = {p.id: p for p in passages}
+    candidates = []
+    for e in examples:
+        passage = by_id.get(e.gold_ids[0]) if e.gold_ids else None
+        answer = e.answers[0]
+        kind = span_kind(answer)
+        if passage is not None and kind and passage.text.count(answer) == 1:
+            candidates.append((e, kind))
+    rng = np.random.default_rng((seed, 7))
+    order = rng.permutation(len(candidates))
+    pools: dict[str, list[str]] = {}
+    for e, kind in candidates:
+        pools.setdefault(kind, []).append(e.answers[0])
+    edited, new, old, used = dict(by_id), [], [], set()
+    for j in order.tolist():
+        if len(new) == count:
+            break
+        e, kind = candidates[j]
+        pid = e.gold_ids[0]
+        if pid in used:
+            continue
+        text = by_id[pid].text
+        others = sorted({a for a in pools[kind] if a not in text and a != e.answers[0]})
+        if not others:
+            continue
+        replacement = others[int(rng.integers(len(others)))]
+        edited[pid] = Passage(pid, by_id[pid].title, text.replace(e.answers[0], replacement))
+        used.add(pid)
+        new.append(Example(e.question, (replacement,), e.id, e.gold_ids))
+        old.append(e)
+    return [edited[p.id] for p in passages], new, old

@@ -14,11 +14,12 @@ import dataclasses
 import hashlib
 import json
 import pathlib
+import re
 
 import flax.serialization
 import jax
 
-from rag_jax import checkpoints, data, synthetic
+from rag_jax import checkpoints, data, settings, synthetic
 from rag_jax.retrieval import encode, files
 from rag_jax.retrieval.build import workdir_store
 from rag_jax.retrieval.corpus import Passage, corpus_files, read_corpus
@@ -76,7 +77,7 @@ def retriever(config, rag_cfg, passage_cfg, params, tokenizer, store, workdir) -
         },
         "retrieval": {k: config.retrieval[k] for k in ("passage_max_length", "passage_format")},
         "question_length": config.data.question_length,
-        "seed": config.seed,
+        "seed": settings.init_seed(config),
         "corpus": store.checksum,
         "question_encoder": encode.encoder_fingerprint(passage_cfg, towers["question_encoder"]),
         "passage_encoder": encode.encoder_fingerprint(passage_cfg, towers["passage_encoder"]),
@@ -92,7 +93,7 @@ def retriever(config, rag_cfg, passage_cfg, params, tokenizer, store, workdir) -
             steps=w.steps,
             batch_size=w.batch_size,
             learning_rate=w.learning_rate,
-            seed=config.seed,
+            seed=settings.init_seed(config),
             query_length=config.data.question_length,
             passage_length=config.retrieval.passage_max_length,
             keep_prob=w.keep_prob,
@@ -131,7 +132,7 @@ def generator(config, rag_cfg, params, tokenizer, workdir, own_world) -> dict:
         )
     world = synthetic.make_world(
         synthetic.WorldConfig(
-            seed=config.seed + READER_WORLD_SEED_OFFSET,
+            seed=settings.init_seed(config) + READER_WORLD_SEED_OFFSET,
             num_entities=w.reader_entities,
             distractors_per_fact=d.distractors_per_fact,
             eval_fraction=d.eval_fraction,
@@ -169,7 +170,7 @@ def generator(config, rag_cfg, params, tokenizer, workdir, own_world) -> dict:
             steps=w.reader_steps,
             batch_size=config.train.batch_size,
             learning_rate=config.train.learning_rate,
-            seed=config.seed,
+            seed=settings.init_seed(config),
             answer_length=d.answer_length,
             progress=progress,
         )
@@ -185,15 +186,31 @@ def generator(config, rag_cfg, params, tokenizer, workdir, own_world) -> dict:
     return dict(params, **warm)
 
 
+def _frozen_generator_paths(freeze: str, generator_params) -> str:
+    """A regex over the generator's own parameter paths matching exactly those `freeze` (a
+    `config.train.freeze` regex over `generator/...` paths) freezes in training."""
+    if not freeze:
+        return ""
+    pattern = re.compile(freeze)
+    paths = [
+        "/".join(str(getattr(k, "key", k)) for k in path)
+        for path, _ in jax.tree_util.tree_flatten_with_path(generator_params)[0]
+    ]
+    frozen = [p for p in paths if pattern.search(f"generator/{p}")]
+    return "|".join(f"{re.escape(p)}$" for p in frozen)
+
+
 def _generator_on_files(config, rag_cfg, params, tokenizer, workdir) -> dict:
     """The reader warm start on `reader_questions_path` with their gold passages from
     `reader_corpus_path` (task "qa"), on salient spans masked in those passages ("ssm",
     `training.salient`), or both on alternate steps ("qa+ssm"). Nothing of the run's evaluation
-    data is read; only the generator trains (its encoder stays fixed with `frozen_encoder`)."""
+    data is read; only the generator trains, and what `config.train.freeze` freezes of it in
+    training (the frozen layers of a `frozen_encoder_layers` generator) stays fixed here too."""
     d, w = config.data, config.warm_start
     corpus = corpus_files(w.reader_corpus_path)
     passages = list(read_corpus(corpus))
     context_length = w.reader_context_length or rag_cfg.max_combined_length
+    seed = settings.init_seed(config)
     tasks = w.reader_task.split("+")
     pools = []
     if "qa" in tasks:
@@ -203,7 +220,7 @@ def _generator_on_files(config, rag_cfg, params, tokenizer, workdir) -> dict:
         # Sentences a context of `context_length` tokens still shows (~4 characters a token).
         limit = 4 * max(context_length - d.question_length, 16)
         pools.append(
-            salient.salient_examples(passages, seed=config.seed, mask_token=mask, max_chars=limit)
+            salient.salient_examples(passages, seed=seed, mask_token=mask, max_chars=limit)
         )
     for task, pool in zip(tasks, pools):
         if not pool:
@@ -214,17 +231,18 @@ def _generator_on_files(config, rag_cfg, params, tokenizer, workdir) -> dict:
             )
     batch_size = w.reader_batch_size or config.train.batch_size
     learning_rate = w.reader_learning_rate or config.train.learning_rate
-    frozen = r"encoder/" if rag_cfg.generator.frozen_encoder else ""
+    frozen = _frozen_generator_paths(config.train.freeze, params["generator"])
     key = {
         "reader": {k: v for k, v in w.items() if k.startswith("reader_") and "path" not in k},
         "files": [files.sha256_file(p) for p in [w.reader_questions_path, *corpus]],
         "fields": dict(d.fields or {}),
-        "seed": config.seed,
+        "seed": seed,
         "batch_size": batch_size,
         "learning_rate": learning_rate,
         "answer_length": d.answer_length,
         "context_length": context_length,
         "keep_question": config.rag.keep_question,
+        "frozen": frozen,
         "rag": [rag_cfg.label_smoothing, rag_cfg.exclude_bos_score, rag_cfg.prefix],
         "layout": [rag_cfg.title_sep, rag_cfg.doc_sep],
         "tokenizer": tokenizer_fingerprint(tokenizer),
@@ -247,7 +265,7 @@ def _generator_on_files(config, rag_cfg, params, tokenizer, workdir) -> dict:
             steps=w.reader_steps,
             batch_size=batch_size,
             learning_rate=learning_rate,
-            seed=config.seed,
+            seed=seed,
             answer_length=d.answer_length,
             context_length=context_length,
             freeze=frozen,

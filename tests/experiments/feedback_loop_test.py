@@ -4,9 +4,9 @@ import json
 import pathlib
 
 import feedback_loop
-import feedback_study
 import pytest
 
+import feedback_study
 from rag_jax.training import loop
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]

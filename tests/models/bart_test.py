@@ -256,3 +256,28 @@ def test_the_lm_head_accumulates_in_float32_under_bfloat16(tiny_bart):
     np.testing.assert_allclose(logits, exact, rtol=1e-5, atol=1e-4)
     rounded = np.asarray((x @ embedding.astype(jnp.bfloat16).T).astype(np.float32)) + bias
     assert np.max(np.abs(rounded - exact)) > 10 * np.max(np.abs(np.asarray(logits) - exact))
+
+
+def test_frozen_encoder_layers_get_no_gradient_and_compute_the_same(tiny_bart):
+    """`frozen_encoder_layers=k`: the same outputs; no gradient reaches the encoder's first k
+    layers or its embeddings (the decoder's path to the shared embedding still trains it)."""
+    _, cfg, params = tiny_bart
+    ids, mask, dec = _inputs(cfg, seed=6)
+
+    def loss(p, c):
+        logits, _ = bart.Bart(c).apply({"params": p}, ids, mask, dec)
+        return jnp.sum(jax.nn.log_softmax(logits)[..., 3])
+
+    frozen = cfg.replace(frozen_encoder_layers=1)
+    np.testing.assert_array_equal(loss(params, frozen), loss(params, cfg))
+    grads, free = jax.grad(loss)(params, frozen), jax.grad(loss)(params, cfg)
+    for name in ("layer_0", "positions", "ln_embedding"):
+        assert not any(np.asarray(g).any() for g in jax.tree.leaves(grads["encoder"][name]))
+        assert any(np.asarray(g).any() for g in jax.tree.leaves(free["encoder"][name]))
+    for a, b in zip(
+        jax.tree.leaves(grads["encoder"]["layer_1"]), jax.tree.leaves(free["encoder"]["layer_1"])
+    ):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)  # above the cut: unchanged
+    assert np.asarray(grads["shared"]["embedding"]).any()
+    everything = jax.grad(loss)(params, cfg.replace(frozen_encoder_layers=cfg.encoder_layers))
+    assert not any(np.asarray(g).any() for g in jax.tree.leaves(everything["encoder"]))

@@ -89,6 +89,23 @@ def test_decoder_takes_bert_layers_and_fresh_cross_attention(minilm):
     )
     np.testing.assert_allclose(table[bart.POSITION_OFFSET :], want, rtol=0, atol=0)
     assert not np.asarray(params["final_logits_bias"]).any()
+    # bert_cross: the cross-attention starts as a copy of the same layer's self-attention.
+    _, crossed = bert2bart.bart_from_bert(
+        bert_cfg, bert_params, rng=jax.random.PRNGKey(0), decoder_init="bert_cross", **kw
+    )
+    for i in range(2):
+        layer = crossed["decoder"][f"layer_{i}"]
+        jax.tree.map(
+            np.testing.assert_array_equal,
+            layer["cross_attn"],
+            bert_params[f"layer_{i}"]["self_attn"],
+        )
+        jax.tree.map(
+            np.testing.assert_array_equal,
+            layer["cross_attn_ln"],
+            bert_params[f"layer_{i}"]["self_attn_ln"],
+        )
+        jax.tree.map(np.testing.assert_array_equal, layer["mlp"], dec[f"layer_{i}"]["mlp"])
     # A fresh decoder shares nothing with BERT's layers; the encoder is unchanged.
     _, fresh = bert2bart.bart_from_bert(
         bert_cfg, bert_params, rng=jax.random.PRNGKey(0), decoder_init="random", **kw

@@ -62,3 +62,36 @@ def test_examples_mask_one_span_per_sentence_deterministically():
     # Only sentences a truncated context still shows.
     short = salient.salient_examples(passages, seed=0, max_chars=80)
     assert [e.id for e in short] == ["p0:ssm0"]
+
+
+def test_edit_answers_changes_one_span_of_the_same_kind_in_each_gold_passage():
+    from rag_jax.data import Example
+
+    passages = [
+        Passage("a", "A", "The bridge opened in 1932 and cost 12 million dollars."),
+        Passage("b", "B", "The mayor Anna Berg opened the library in 1901."),
+        Passage("c", "C", "In 1950 Carl Nilsson painted the hall."),
+        Passage("d", "D", "It rained on 3 May 1999 and on 3 May 1999 again."),  # twice: not chosen
+    ]
+    examples = [
+        Example("When did the bridge open?", ("1932",), "qa", ("a",)),
+        Example("Who opened the library?", ("Anna Berg",), "qb", ("b",)),
+        Example("When was the hall painted?", ("1950",), "qc", ("c",)),
+        Example("Who painted the hall?", ("Carl Nilsson",), "qc2", ("c",)),
+        Example("When did it rain?", ("3 May 1999",), "qd", ("d",)),
+        Example("What did it cost?", ("a lot",), "qe", ("a",)),  # not a salient span
+    ]
+    corpus, new, old = salient.edit_answers(passages, examples, count=10, seed=0)
+    assert [p.id for p in corpus] == ["a", "b", "c", "d"] and corpus[3] == passages[3]
+    chosen = {e.id for e in new}
+    assert chosen <= {"qa", "qb", "qc", "qc2"} and not {"qc", "qc2"} <= chosen  # one per passage
+    by_id = {p.id: p for p in corpus}
+    for e_new, e_old in zip(new, old):
+        assert e_new.id == e_old.id and e_new.question == e_old.question
+        text = by_id[e_new.gold_ids[0]].text
+        assert e_new.answers[0] in text and e_old.answers[0] not in text
+        assert salient.span_kind(e_new.answers[0]) == salient.span_kind(e_old.answers[0])
+    assert salient.edit_answers(passages, examples, count=10, seed=0) == (corpus, new, old)
+    assert len(salient.edit_answers(passages, examples, count=1, seed=0)[1]) == 1
+    assert salient.span_kind("3 May 1999") == "date" and salient.span_kind("a lot") is None
+    assert salient.span_kind("1932") == "year" and salient.span_kind("12 million") == "number"
