@@ -1,0 +1,145 @@
+"""Export to transformers: HF checkpoints round-trip exactly, and the refusals name the reason."""
+
+import dataclasses
+import json
+
+import jax
+import numpy as np
+import pytest
+import torch
+import transformers
+from rag_test import GEN, HF_IDS, inputs, save_rag
+from safetensors import safe_open
+
+import hf_fixtures
+from rag_jax import hf
+from rag_jax.models import bert
+
+_CLASSES = {
+    "sequence": transformers.RagSequenceForGeneration,
+    "token": transformers.RagTokenForGeneration,
+}
+
+
+def _from_pretrained(cls, path):
+    """The model and a check that loading used every tensor and filled every parameter."""
+    model, info = cls.from_pretrained(path, output_loading_info=True)
+    assert not any(info.values()), info
+    return model.eval()
+
+
+def _assert_same_state(a: torch.nn.Module, b: torch.nn.Module) -> None:
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    for name in sa:
+        assert sa[name].dtype == sb[name].dtype, name
+        assert torch.equal(sa[name], sb[name]), name
+
+
+def _loss(model, x):
+    with torch.no_grad():
+        return model(
+            context_input_ids=torch.tensor(x["context_input_ids"]),
+            context_attention_mask=torch.tensor(x["context_attention_mask"]),
+            doc_scores=torch.tensor(x["doc_scores"]),
+            labels=torch.tensor(x["labels"]),
+            reduce_loss=False,
+        ).loss.numpy()
+
+
+def _generate(model, x, **settings):
+    with torch.no_grad():
+        return model.generate(
+            context_input_ids=torch.tensor(x["context_input_ids"]),
+            context_attention_mask=torch.tensor(x["context_attention_mask"]),
+            doc_scores=torch.tensor(x["doc_scores"]),
+            **settings,
+        ).numpy()
+
+
+@pytest.mark.parametrize("variant", ["sequence", "token"])
+def test_an_hf_rag_checkpoint_round_trips_exactly(tmp_path, variant):
+    """HF -> hf.load_rag -> hf.save_rag -> from_pretrained: every tensor, the loss, the tokens."""
+    original = save_rag(tmp_path / "hf", variant, seed=21, max_combined_length=11)
+    cfg, params = hf.load_rag(tmp_path / "hf")
+    summary = hf.save_rag(tmp_path / "out", cfg, params, variant=variant)
+    assert summary["architecture"] == _CLASSES[variant].__name__
+    reloaded = _from_pretrained(_CLASSES[variant], tmp_path / "out")
+    _assert_same_state(original, reloaded)
+
+    cfg_again, params_again = hf.load_rag(tmp_path / "out")
+    assert cfg_again == cfg  # n_docs, max_combined_length, separators, BOS, generation settings
+    assert cfg.max_combined_length == 11
+    flat, flat_again = (
+        dict(jax.tree_util.tree_leaves_with_path(p)) for p in (params, params_again)
+    )
+    for path in flat:
+        np.testing.assert_array_equal(flat[path], flat_again[path], err_msg=str(path))
+
+    x = inputs(cfg, seed=3)
+    np.testing.assert_array_equal(_loss(reloaded, x), _loss(original, x))
+    settings = dict(num_beams=4, **GEN, **HF_IDS)
+    np.testing.assert_array_equal(
+        _generate(reloaded, x, **settings), _generate(original, x, **settings)
+    )
+
+
+def test_the_halves_round_trip_and_bfloat16_stays_bfloat16(tmp_path):
+    hf_fixtures.save_dpr(tmp_path / "ctx", "context", seed=3, projection_dim=6)
+    cfg, params = hf.load_dpr(tmp_path / "ctx")
+    hf.save_dpr(tmp_path / "ctx_out", cfg, params, kind="context")
+    _assert_same_state(
+        transformers.DPRContextEncoder.from_pretrained(tmp_path / "ctx"),
+        _from_pretrained(transformers.DPRContextEncoder, tmp_path / "ctx_out"),
+    )
+
+    original = hf_fixtures.save_bart(tmp_path / "bart", seed=4)
+    cfg, params = hf.load_bart(tmp_path / "bart", param_dtype="bfloat16")
+    hf.save_bart(tmp_path / "bart_out", cfg, params)
+    with safe_open(str(tmp_path / "bart_out" / "model.safetensors"), "np") as f:
+        assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}
+    reloaded = _from_pretrained(transformers.BartForConditionalGeneration, tmp_path / "bart_out")
+    for name, tensor in original.state_dict().items():
+        got = reloaded.state_dict()[name]
+        assert got.dtype == torch.bfloat16 and torch.equal(got, tensor.to(torch.bfloat16)), name
+
+
+def test_a_bert_question_encoder_exports_as_dpr_without_its_pooler(tmp_path, caplog):
+    """A plain BERT (pooler and all) as the question tower: DPR computes the same vector."""
+    torch_bert = hf_fixtures.save_bert(tmp_path / "bert", seed=8)
+    cfg, params = hf.load_bert(tmp_path / "bert")
+    assert cfg.with_pooler
+    hf.save_dpr(tmp_path / "dpr", cfg, params)
+    assert "pooler" in caplog.text and "not exported" in caplog.text
+    dpr = _from_pretrained(transformers.DPRQuestionEncoder, tmp_path / "dpr")
+    ids, mask = hf_fixtures.padded_batch(np.random.default_rng(0), [7, 4], cfg.vocab_size)
+    with torch.no_grad():
+        want = dpr(torch.tensor(ids), attention_mask=torch.tensor(mask)).pooler_output.numpy()
+        cls = torch_bert(torch.tensor(ids), attention_mask=torch.tensor(mask))[0][:, 0].numpy()
+    ours, _ = bert.BertEncoder(cfg).apply({"params": params}, ids, mask)
+    np.testing.assert_allclose(want, cls, rtol=0, atol=1e-6)  # DPR's vector: the [CLS] state
+    np.testing.assert_allclose(ours, want, rtol=1e-4, atol=1e-4)
+
+
+def test_models_without_an_hf_equivalent_are_refused(tmp_path):
+    hf_fixtures.save_dpr(tmp_path / "q", "question", seed=1)
+    cfg, params = hf.load_dpr(tmp_path / "q")
+
+    @dataclasses.dataclass(frozen=True)
+    class MeanPooled(bert.BertConfig):
+        pooling: str = "mean"
+
+    mean = MeanPooled(**dataclasses.asdict(cfg))
+    with pytest.raises(hf.ExportError, match=r"pools its tokens by 'mean'.*no HF equivalent"):
+        hf.save_dpr(tmp_path / "mean", mean, params)
+    extra = dict(params, adapter={"kernel": np.zeros((2, 2), np.float32)})
+    with pytest.raises(hf.ExportError, match=r"\['adapter/kernel'\] have no DPR tensor"):
+        hf.save_dpr(tmp_path / "extra", cfg, extra)
+
+    save_rag(tmp_path / "rag", "token", seed=2)
+    rag_cfg, rag_params = hf.load_rag(tmp_path / "rag")
+    odd_bos = rag_cfg.replace(bos_token_id=None)
+    with pytest.raises(hf.ExportError, match=r"bos_token_id=None.*cannot be expressed"):
+        hf.save_rag(tmp_path / "bos", odd_bos, rag_params)
+    assert not (tmp_path / "bos" / "config.json").exists()  # refused before anything is written
+    assert json.loads((tmp_path / "rag" / "config.json").read_text())["model_type"] == "rag"
