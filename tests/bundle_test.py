@@ -245,3 +245,53 @@ def test_a_crash_mid_edit_leaves_the_previous_bundle_whole(copy, trained, monkey
     assert sorted(os.listdir(copy.parent)) == ["bundle"]  # no half-written folder left behind
     assert [a.to_dict() for a in model.answer(questions)] == want
     assert [a.to_dict() for a in bundle.load(copy).answer(questions)] == want
+
+
+@pytest.mark.slow  # trains the default job: ~2-4 min on 2 cores
+def test_the_default_job_answers_edited_facts_from_the_edited_passages(tmp_path):
+    """Knowledge hot-swap on the default job's world: change the answer word of the passages
+    the model answered held-out questions from, and it answers the new words; delete them, and
+    no question retrieves them again. No parameter changes."""
+    from experiments.configs import default
+    from rag_jax.training import loop
+
+    config = default.get_config()
+    loop.train_and_evaluate(config, tmp_path)
+    model = bundle.load(tmp_path / "bundle")
+    d = config.data
+    world = synthetic.make_world(
+        synthetic.WorldConfig(
+            seed=config.seed,
+            num_entities=d.num_entities,
+            distractors_per_fact=d.distractors_per_fact,
+            eval_fraction=d.eval_fraction,
+        )
+    )
+    facts = [f for f in world.facts if f.split == "eval"]
+    answers = model.answer([f.question for f in facts])
+    # Answered right, from the fact's own answer passage (the highest posterior).
+    read = [
+        f
+        for f, a in zip(facts, answers, strict=True)
+        if a.answer == f.answer and max(a.passages, key=lambda p: p.posterior).id == f.gold_id
+    ]
+    assert len(read) >= 100, len(read)
+    row_of = {model.store.ids[i]: i for i in range(len(model.store))}
+    edits, expected = [], {}
+    for k, fact in enumerate(read):
+        values = [v for v in synthetic.RELATIONS[fact.relation][3] if v != fact.answer]
+        new = values[k % len(values)]
+        row = row_of[fact.gold_id]
+        words = [new if w == fact.answer else w for w in model.store.text(row).split(" ")]
+        edits.append(Passage(fact.gold_id, model.store.title(row), " ".join(words)))
+        expected[fact.question] = new
+    fingerprint = model.manifest["encoder_fingerprint"]
+    assert model.edit(upserts=edits)["encoded"] == len(read)
+    after = bundle.load(tmp_path / "bundle").answer(list(expected))
+    followed = sum(a.answer == expected[a.question] for a in after)
+    assert followed >= 0.8 * len(read), (followed, len(read))  # measured: 156 of 169
+    assert bundle.load(tmp_path / "bundle").manifest["encoder_fingerprint"] == fingerprint
+
+    model.edit(deletes=[f.gold_id for f in read])
+    retrieved = {p.id for a in model.answer([f.question for f in facts]) for p in a.passages}
+    assert not retrieved & {f.gold_id for f in read}

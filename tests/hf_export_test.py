@@ -12,8 +12,9 @@ from rag_test import GEN, HF_IDS, inputs, save_rag
 from safetensors import safe_open
 
 import hf_fixtures
-from rag_jax import hf
+from rag_jax import bundle, hf, rag
 from rag_jax.models import bert
+from rag_jax.training.inputs import answer_labels, question_tokens
 
 _CLASSES = {
     "sequence": transformers.RagSequenceForGeneration,
@@ -34,6 +35,14 @@ def _assert_same_state(a: torch.nn.Module, b: torch.nn.Module) -> None:
     for name in sa:
         assert sa[name].dtype == sb[name].dtype, name
         assert torch.equal(sa[name], sb[name]), name
+
+
+def _assert_same_tokens(ours: np.ndarray, ref: np.ndarray, pad: int, what: str) -> None:
+    width = max(ours.shape[1], ref.shape[1])
+    ours, ref = (
+        np.pad(a, ((0, 0), (0, width - a.shape[1])), constant_values=pad) for a in (ours, ref)
+    )
+    np.testing.assert_array_equal(ours, ref, err_msg=what)
 
 
 def _loss(model, x):
@@ -143,3 +152,67 @@ def test_models_without_an_hf_equivalent_are_refused(tmp_path):
         hf.save_rag(tmp_path / "bos", odd_bos, rag_params)
     assert not (tmp_path / "bos" / "config.json").exists()  # refused before anything is written
     assert json.loads((tmp_path / "rag" / "config.json").read_text())["model_type"] == "rag"
+
+
+# ---------------------------------------------------------------------------------------------
+# A model trained by rag_jax, exported
+
+
+def test_a_trained_model_exported_to_hf_retrieves_scores_and_generates_as_rag_jax(
+    tiny_trained_run, tmp_path
+):
+    """The trainer's bundle, exported: HF's question encoder + RagRetriever over the exported
+    faiss index + generator, end to end from the question tokens, against rag_jax."""
+    workdir, _ = tiny_trained_run
+    model = bundle.load(workdir / "bundle")
+    cfg, params, store = model.rag_cfg, model.params, model.store
+    predictions = [json.loads(line) for line in (workdir / "predictions.jsonl").open()][:4]
+    questions = [p["question"] for p in predictions]
+    fields = question_tokens(model.question_tokenizer, questions, model.settings.question_length)
+    q_ids, q_mask = fields["question_input_ids"], fields["question_attention_mask"]
+    q = np.asarray(rag.question_embeddings(cfg, params, q_ids, q_mask))
+    pieces = store.tokenize_questions(model.generator_tokenizer, questions)
+    hits = model.retriever(q, pieces)  # contexts [B * N, S], padded to S as HF pads them
+    scores = rag.doc_scores(q, hits.doc_vectors)
+    ctx, ctx_mask = hits.context_input_ids, hits.context_attention_mask
+    labels = answer_labels(
+        model.generator_tokenizer, [p["answers"][0] for p in predictions], cfg, 8
+    )
+    torch_q = dict(input_ids=torch.tensor(q_ids), attention_mask=torch.tensor(q_mask))
+    pad = cfg.pad_token_id
+
+    for variant in ("token", "sequence"):
+        out = tmp_path / variant
+        summary = model.to_hf(out, variant=variant)
+        retriever = transformers.RagRetriever.from_pretrained(
+            out,
+            index_name="custom",
+            passages_path=summary["passages_path"],
+            index_path=summary["index_path"],
+        )
+        hf_model = _from_pretrained(_CLASSES[variant], out)
+        hf_model.set_retriever(retriever)
+        with torch.no_grad():
+            hf_q = hf_model.question_encoder(**torch_q)[0].numpy()
+        np.testing.assert_allclose(hf_q, q, rtol=1e-4, atol=1e-4)
+        # RagRetriever over the exported index: the bundle's passages, in the bundle's order.
+        _, _, docs = retriever.retrieve(hf_q, cfg.n_docs)
+        assert [d["id"] for d in docs] == [[store.ids[int(j)] for j in row] for row in hits.doc_ids]
+        built = retriever(q_ids, hf_q, return_tensors="np")
+        np.testing.assert_array_equal(built["context_input_ids"], ctx)  # the same contexts
+
+        with torch.no_grad():
+            hf_loss = hf_model(**torch_q, labels=torch.tensor(labels), reduce_loss=False).loss
+        ours = rag.nll(cfg, params, ctx, ctx_mask, scores, labels, variant, reduce=False)
+        np.testing.assert_allclose(hf_loss.numpy(), ours, rtol=1e-4, atol=1e-4)
+
+        beams = (1, 4) if variant == "token" else (4,)
+        for num_beams in beams:
+            length = dict(max_length=cfg.generation.max_length)
+            with torch.no_grad():
+                want = hf_model.generate(**torch_q, num_beams=num_beams, **length).numpy()
+            unmasked = {} if variant == "token" else dict(mask_candidate_contexts=False)
+            got = rag.generate(
+                cfg, params, ctx, ctx_mask, scores, variant=variant, num_beams=num_beams, **unmasked
+            )
+            _assert_same_tokens(np.asarray(got), want, pad, f"{variant}, {num_beams} beams")
