@@ -1,7 +1,9 @@
 """Export to transformers: HF checkpoints round-trip exactly, and the refusals name the reason."""
 
 import dataclasses
+import functools
 import json
+import types
 
 import jax
 import numpy as np
@@ -158,31 +160,23 @@ def test_models_without_an_hf_equivalent_are_refused(tmp_path):
 # A model trained by rag_jax, exported
 
 
-def test_a_trained_model_exported_to_hf_retrieves_scores_and_generates_as_rag_jax(
-    tiny_trained_run, tmp_path
-):
-    """The trainer's bundle, exported: HF's question encoder + RagRetriever over the exported
-    faiss index + generator, end to end from the question tokens, against rag_jax."""
+@pytest.fixture(scope="module")
+def exported(tiny_trained_run, tmp_path_factory):
+    """The trainer's bundle exported as both HF classes, each with a RagRetriever over the
+    exported faiss index, and rag_jax's own retrieval for 3 held-out questions."""
     workdir, _ = tiny_trained_run
     model = bundle.load(workdir / "bundle")
     cfg, params, store = model.rag_cfg, model.params, model.store
-    predictions = [json.loads(line) for line in (workdir / "predictions.jsonl").open()][:4]
+    predictions = [json.loads(line) for line in (workdir / "predictions.jsonl").open()][:3]
     questions = [p["question"] for p in predictions]
     fields = question_tokens(model.question_tokenizer, questions, model.settings.question_length)
     q_ids, q_mask = fields["question_input_ids"], fields["question_attention_mask"]
-    q = np.asarray(rag.question_embeddings(cfg, params, q_ids, q_mask))
+    q = np.asarray(jax.jit(functools.partial(rag.question_embeddings, cfg))(params, q_ids, q_mask))
     pieces = store.tokenize_questions(model.generator_tokenizer, questions)
     hits = model.retriever(q, pieces)  # contexts [B * N, S], padded to S as HF pads them
-    scores = rag.doc_scores(q, hits.doc_vectors)
-    ctx, ctx_mask = hits.context_input_ids, hits.context_attention_mask
-    labels = answer_labels(
-        model.generator_tokenizer, [p["answers"][0] for p in predictions], cfg, 8
-    )
-    torch_q = dict(input_ids=torch.tensor(q_ids), attention_mask=torch.tensor(q_mask))
-    pad = cfg.pad_token_id
-
+    hf_models = {}
     for variant in ("token", "sequence"):
-        out = tmp_path / variant
+        out = tmp_path_factory.mktemp(f"hf_{variant}")
         summary = model.to_hf(out, variant=variant)
         retriever = transformers.RagRetriever.from_pretrained(
             out,
@@ -190,29 +184,64 @@ def test_a_trained_model_exported_to_hf_retrieves_scores_and_generates_as_rag_ja
             passages_path=summary["passages_path"],
             index_path=summary["index_path"],
         )
-        hf_model = _from_pretrained(_CLASSES[variant], out)
-        hf_model.set_retriever(retriever)
-        with torch.no_grad():
-            hf_q = hf_model.question_encoder(**torch_q)[0].numpy()
-        np.testing.assert_allclose(hf_q, q, rtol=1e-4, atol=1e-4)
-        # RagRetriever over the exported index: the bundle's passages, in the bundle's order.
-        _, _, docs = retriever.retrieve(hf_q, cfg.n_docs)
-        assert [d["id"] for d in docs] == [[store.ids[int(j)] for j in row] for row in hits.doc_ids]
-        built = retriever(q_ids, hf_q, return_tensors="np")
-        np.testing.assert_array_equal(built["context_input_ids"], ctx)  # the same contexts
+        hf_models[variant] = _from_pretrained(_CLASSES[variant], out)
+        hf_models[variant].set_retriever(retriever)
+    return types.SimpleNamespace(
+        model=model,
+        cfg=cfg,
+        params=params,
+        hits=hits,
+        q=q,
+        scores=rag.doc_scores(q, hits.doc_vectors),
+        torch_q=dict(input_ids=torch.tensor(q_ids), attention_mask=torch.tensor(q_mask)),
+        answers=[p["answers"][0] for p in predictions],
+        hf=hf_models,
+    )
 
-        with torch.no_grad():
-            hf_loss = hf_model(**torch_q, labels=torch.tensor(labels), reduce_loss=False).loss
-        ours = rag.nll(cfg, params, ctx, ctx_mask, scores, labels, variant, reduce=False)
-        np.testing.assert_allclose(hf_loss.numpy(), ours, rtol=1e-4, atol=1e-4)
 
-        beams = (1, 4) if variant == "token" else (4,)
-        for num_beams in beams:
-            length = dict(max_length=cfg.generation.max_length)
-            with torch.no_grad():
-                want = hf_model.generate(**torch_q, num_beams=num_beams, **length).numpy()
-            unmasked = {} if variant == "token" else dict(mask_candidate_contexts=False)
-            got = rag.generate(
-                cfg, params, ctx, ctx_mask, scores, variant=variant, num_beams=num_beams, **unmasked
-            )
-            _assert_same_tokens(np.asarray(got), want, pad, f"{variant}, {num_beams} beams")
+def _generate_both(x, variant: str, num_beams: int) -> tuple[np.ndarray, np.ndarray]:
+    """(rag_jax's tokens, HF's tokens) from the question tokens, HF retrieving end to end."""
+    hf_model, cfg = x.hf[variant], x.cfg
+    with torch.no_grad():
+        max_length = cfg.generation.max_length
+        want = hf_model.generate(**x.torch_q, num_beams=num_beams, max_length=max_length)
+    unmasked = {} if variant == "token" else dict(mask_candidate_contexts=False)
+    generate = functools.partial(
+        rag.generate, cfg, variant=variant, num_beams=num_beams, **unmasked
+    )
+    ctx, ctx_mask = x.hits.context_input_ids, x.hits.context_attention_mask
+    return np.asarray(jax.jit(generate)(x.params, ctx, ctx_mask, x.scores)), want.numpy()
+
+
+@pytest.mark.parametrize("variant", ["token", "sequence"])
+def test_a_trained_model_exported_to_hf_retrieves_and_scores_as_rag_jax(exported, variant):
+    """HF's question encoder + RagRetriever over the exported faiss index + generator, end to end
+    from the question tokens: the bundle's passages and contexts, and its loss within 1e-4."""
+    x, hf_model = exported, exported.hf[variant]
+    store, cfg = x.model.store, x.cfg
+    with torch.no_grad():
+        hf_q = hf_model.question_encoder(**x.torch_q)[0].numpy()
+    np.testing.assert_allclose(hf_q, x.q, rtol=1e-4, atol=1e-4)
+    _, _, docs = hf_model.retriever.retrieve(hf_q, cfg.n_docs)
+    assert [d["id"] for d in docs] == [[store.ids[int(j)] for j in row] for row in x.hits.doc_ids]
+    built = hf_model.retriever(x.torch_q["input_ids"].numpy(), hf_q, return_tensors="np")
+    np.testing.assert_array_equal(built["context_input_ids"], x.hits.context_input_ids)
+
+    labels = answer_labels(x.model.generator_tokenizer, x.answers, cfg, 8)
+    with torch.no_grad():
+        want = hf_model(**x.torch_q, labels=torch.tensor(labels), reduce_loss=False).loss.numpy()
+    nll = jax.jit(functools.partial(rag.nll, cfg, variant=variant, reduce=False))
+    ctx, ctx_mask = x.hits.context_input_ids, x.hits.context_attention_mask
+    np.testing.assert_allclose(
+        nll(x.params, ctx, ctx_mask, x.scores, labels), want, rtol=1e-4, atol=1e-4
+    )
+    if variant == "token":
+        got, want = _generate_both(x, "token", num_beams=1)
+        _assert_same_tokens(got, want, cfg.pad_token_id, "RAG-Token greedy")
+
+
+@pytest.mark.parametrize("variant", ["token", "sequence"])
+def test_a_trained_model_exported_to_hf_beam_searches_as_rag_jax(exported, variant):
+    """4 beams; RAG-Sequence thorough decoding with HF's unmasked candidates."""
+    got, want = _generate_both(exported, variant, num_beams=4)
+    _assert_same_tokens(got, want, exported.cfg.pad_token_id, f"{variant}, 4 beams")
