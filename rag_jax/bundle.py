@@ -312,14 +312,17 @@ class Bundle:
                 f"n_docs={n_docs} must be in [1, {len(knowledge.retriever.store)}] (the passages)"
             )
         retriever = knowledge.for_n_docs(n_docs)
-        program = _answer_program(self.rag_cfg, variant, num_beams, n_docs, decoding)
+        programs = (
+            _generate_program(self.rag_cfg, variant, num_beams, n_docs, decoding),
+            _score_program(self.rag_cfg, variant, n_docs),
+        )
         out = []
         for start in range(0, len(questions), BATCH_BUCKETS[-1]):
             batch = questions[start : start + BATCH_BUCKETS[-1]]
-            out += self._answer_batch(batch, retriever, program, variant)
+            out += self._answer_batch(batch, retriever, programs, variant)
         return out
 
-    def _answer_batch(self, questions, retriever: Retriever, program, variant) -> list[Answer]:
+    def _answer_batch(self, questions, retriever: Retriever, programs, variant) -> list[Answer]:
         count, q_tok, g_tok = len(questions), self.question_tokenizer, self.generator_tokenizer
         size = next(b for b in BATCH_BUCKETS if b >= count)
         length = self.settings.question_length
@@ -339,15 +342,14 @@ class Bundle:
         ctx = _pad_rows(hits.context_input_ids[:, :width].reshape(shape), size)  # -> [size, N, W]
         ctx_mask = _pad_rows(hits.context_attention_mask[:, :width].reshape(shape), size)
         doc_vectors = _pad_rows(hits.doc_vectors, size)  # -> [size, N, D]
-        outputs = program(
-            self._params,
-            q_ids,
-            q_mask,
-            doc_vectors,
-            ctx.reshape(size * n_docs, width),
-            ctx_mask.reshape(size * n_docs, width),
+        ctx, ctx_mask = (a.reshape(size * n_docs, width) for a in (ctx, ctx_mask))
+        generate_fn, score_fn = programs
+        args = (self._params, q_ids, q_mask, doc_vectors, ctx, ctx_mask)
+        tokens, scores = generate_fn(*args)  # -> [size, L], [size, N]
+        outputs = score_fn(self._params, scores, ctx, ctx_mask, tokens)
+        tokens, scores, (loglik, prior, posterior, per_token) = jax.device_get(
+            (tokens, scores, outputs)
         )
-        tokens, loglik, scores, prior, posterior, per_token = jax.device_get(outputs)
         texts = [a.strip() for a in g_tok.batch_decode(tokens[:count], skip_special_tokens=True)]
         store = retriever.store
         special = set(g_tok.all_special_ids) | {
@@ -504,14 +506,13 @@ def _embed_program(cfg: rag.RagConfig):
 
 
 @functools.cache
-def _answer_program(cfg: rag.RagConfig, variant: str, num_beams: int, n_docs: int, decoding: str):
-    """jit: (params, q_ids, q_mask, doc_vectors [B, N, D], contexts [B * N, W] and their mask) ->
-    (tokens [B, L], log p(y|x) [B], scores [B, N], prior [B, N], posterior [B, N], token
-    posteriors [B, L, N]); generation as the evaluation's (`evaluation._generate_fn`)."""
+def _generate_program(cfg: rag.RagConfig, variant: str, num_beams: int, n_docs: int, decoding):
+    """jit: (params, q_ids [B, Q], q_mask, doc_vectors [B, N, D], contexts [B * N, W] and their
+    mask) -> (tokens [B, L], doc scores [B, N]), generated as the evaluation generates
+    (`evaluation._generate_fn`)."""
     run_cfg = cfg.replace(n_docs=n_docs)
-    ids = dict(pad_token_id=cfg.pad_token_id, n_docs=n_docs)
 
-    def answer(params, q_ids, q_mask, doc_vectors, ctx, ctx_mask):
+    def generate(params, q_ids, q_mask, doc_vectors, ctx, ctx_mask):
         _count_trace(cfg)
         q = rag.question_embeddings(run_cfg, params, q_ids, q_mask)
         scores = rag_math.doc_scores(q, doc_vectors)  # -> [B, N]
@@ -524,7 +525,21 @@ def _answer_program(cfg: rag.RagConfig, variant: str, num_beams: int, n_docs: in
             variant=variant,
             sequence_decoding=decoding,
             num_beams=num_beams,
-        )  # -> [B, L]
+        )
+        return tokens, scores
+
+    return jax.jit(generate)
+
+
+@functools.cache
+def _score_program(cfg: rag.RagConfig, variant: str, n_docs: int):
+    """jit: (params, doc scores [B, N], contexts [B * N, W] and their mask, tokens [B, L]) ->
+    (log p(y|x) [B], prior [B, N], posterior [B, N], token posteriors [B, L, N])."""
+    run_cfg = cfg.replace(n_docs=n_docs)
+    ids = dict(pad_token_id=cfg.pad_token_id, n_docs=n_docs)
+
+    def score(params, scores, ctx, ctx_mask, tokens):
+        _count_trace(cfg)
         logits = rag.generator_logits(run_cfg, params, ctx, ctx_mask, tokens)
         if variant == "sequence":
             nll = rag_math.rag_sequence_nll(
@@ -533,9 +548,9 @@ def _answer_program(cfg: rag.RagConfig, variant: str, num_beams: int, n_docs: in
         else:
             nll = rag_math.rag_token_nll(logits, scores, tokens, **ids)
         posterior, per_token = rag_math.doc_posteriors(logits, scores, tokens, **ids)
-        return tokens, -nll, scores, jax.nn.softmax(scores, axis=-1), posterior, per_token
+        return -nll, jax.nn.softmax(scores, axis=-1), posterior, per_token
 
-    return jax.jit(answer)
+    return jax.jit(score)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -83,9 +83,9 @@ def test_answers_do_not_depend_on_the_batch_and_steady_traffic_does_not_recompil
         assert single.answer == want.answer
         assert [p.id for p in single.passages] == [p.id for p in want.passages]
         assert single.log_likelihood == pytest.approx(want.log_likelihood, abs=1e-4)
-    assert model.traces == traces + 2  # batches of 1: the embedding and the answer program
+    assert model.traces == traces + 3  # batches of 1: embedding, generation and scoring
     model.answer(questions[5:6])
-    assert model.traces == traces + 2
+    assert model.traces == traces + 3
 
 
 def test_rag_token_answers_say_which_passage_each_token_came_from(trained):
