@@ -34,7 +34,7 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)
     bundle.enable_compilation_cache()
     if _BUNDLE.value:
-        model = bundle.load(_BUNDLE.value)
+        model = bundle.load(_BUNDLE.value, fast_compile=True)  # a few answers, once
     else:
         from rag_jax.training import loop  # the trainer's restore, only for a workdir
 
