@@ -253,6 +253,7 @@ class Bundle:
             scann = r.index if isinstance(r.index, ScannIndex) else None
             checksum = r.store.checksum
             bundle_format.write_index(tmp, self.encoder, checksum, r.vectors, self.settings, scann)
+            bundle_format.share_modes(tmp)
 
         files.swap_dir(directory, write_fn, knowledge.manifest, what="bundle")
         self.directory = directory
@@ -471,6 +472,7 @@ class Bundle:
                 if built.checksum != checksum:  # both hash the same records: never differs
                     raise RuntimeError(f"store checksum {built.checksum} != {checksum}")
                 bundle_format.write_index(tmp, self.encoder, checksum, vectors, self.settings)
+                bundle_format.share_modes(tmp)
 
             manifest = dict(knowledge.manifest, corpus_checksum=checksum, count=len(passages))
             files.swap_dir(old_dir, write_fn, manifest, what="bundle")

@@ -152,6 +152,25 @@ def write_index(directory, encoder, checksum: str, vectors, settings: Settings, 
         (scann or ScannIndex.build(vectors, **provenance)).save(str(directory / "scann"))
 
 
+def share_modes(directory: pathlib.Path) -> None:
+    """Gives every folder and file below `directory` the mode the umask gives new ones: the
+    temporary folders a bundle is written in, and safetensors' files, are private to their
+    owner, and a bundle is read by others (a server's user)."""
+    probe = directory / ".mode-probe"
+    probe.mkdir()
+    folder_mode = probe.stat().st_mode & 0o777
+    probe.rmdir()
+    probe.touch()
+    file_mode = probe.stat().st_mode & 0o777
+    probe.unlink()
+    os.chmod(directory, folder_mode)
+    for root, folders, names in os.walk(directory):
+        for name in folders:
+            os.chmod(os.path.join(root, name), folder_mode)
+        for name in names:
+            os.chmod(os.path.join(root, name), file_mode)
+
+
 # ---------------------------------------------------------------------------------------------
 # Reading
 

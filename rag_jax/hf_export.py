@@ -13,7 +13,9 @@
   `RagTokenizer.save_pretrained`);
 - with a passage store and its vectors, `passages/` (a `datasets` dataset: id, title, text,
   embeddings) and `passages.faiss` (an exact inner-product index, `faiss.IndexFlatIP`), for
-  `RagRetriever.from_pretrained(directory, index_name="custom", passages_path=..., index_path=...)`.
+  `RagRetriever.from_pretrained(directory, index_name="custom", passages_path=..., index_path=...)`,
+  attached with `model.set_retriever(retriever)` (transformers 5.24's `from_pretrained(directory,
+  retriever=...)` passes the retriever on to the saved generation config, which then fails).
 
 `save_dpr` and `save_bart` write the halves (`DPRQuestionEncoder` / `DPRContextEncoder`,
 `BartForConditionalGeneration`). Names are the inverse of `hf`'s import (`hf.bert_name`,
