@@ -1,10 +1,12 @@
 """Bundles: a run's model in one folder that answers as the trainer evaluated, takes knowledge
 edits without retraining, and refuses damage naming the file or id at fault."""
 
+import dataclasses
 import json
 import os
 import pathlib
 import shutil
+import threading
 
 import numpy as np
 import pytest
@@ -12,6 +14,8 @@ import pytest
 from rag_jax import bundle, bundle_format, data, evaluation, synthetic
 from rag_jax.retrieval import files
 from rag_jax.retrieval.corpus import Passage
+from rag_jax.retrieval.index import ScannIndex
+from rag_jax.retrieval.retriever import Retriever
 from tiny_runs import tiny_config
 
 
@@ -295,3 +299,73 @@ def test_the_default_job_answers_edited_facts_from_the_edited_passages(tmp_path)
     model.edit(deletes=[f.gold_id for f in read])
     retrieved = {p.id for a in model.answer([f.question for f in facts]) for p in a.passages}
     assert not retrieved & {f.gold_id for f in read}
+
+
+def test_a_scann_bundle_is_rebuilt_on_edit_and_answers_alike(copy, tmp_path, trained):
+    """A run that searched with ScaNN bundles its searcher (scann/) beside the exact index; an
+    edit rebuilds it from the vectors."""
+    _, _, _, predictions = trained
+    exact = bundle.load(copy)
+    r = exact.retriever
+    provenance = {
+        "encoder_fingerprint": exact.encoder.fingerprint,
+        "corpus_checksum": r.store.checksum,
+    }
+    scann = Retriever(
+        ScannIndex.build(r.vectors, **provenance),
+        r.store,
+        r.vectors,
+        n_docs=r.n_docs,
+        max_combined_length=r.max_combined_length,
+    )
+    settings = dataclasses.replace(exact.settings, index="scann")
+    model = bundle.Bundle(
+        exact.rag_cfg,
+        exact.encoder,
+        exact.params,
+        exact.question_tokenizer,
+        exact.generator_tokenizer,
+        scann,
+        settings,
+    )
+    model.save(tmp_path / "scann_bundle")
+    loaded = bundle.load(tmp_path / "scann_bundle")
+    assert isinstance(loaded.retriever.index, ScannIndex) and loaded.manifest["index"] == "scann"
+    questions = [p["question"] for p in predictions[:4]]
+    want = [a.answer for a in exact.answer(questions)]
+    assert [a.answer for a in loaded.answer(questions)] == want  # brute force below 20k passages
+    gone = loaded.answer(questions[:1])[0].passages[0].id
+    loaded.edit(deletes=[gone])
+    again = bundle.load(tmp_path / "scann_bundle")
+    assert isinstance(again.retriever.index, ScannIndex) and again.retriever.index.count == 191
+    assert gone not in {p.id for a in again.answer(questions) for p in a.passages}
+
+
+def test_answers_while_an_edit_runs_read_one_snapshot(copy, trained):
+    """`edit` swaps the knowledge whole: concurrent answers see the old passages or the new,
+    never a mix, and never fail."""
+    _, _, _, predictions = trained
+    model = bundle.load(copy)
+    questions = [p["question"] for p in predictions[:4]]
+    before = {a.question: [p.id for p in a.passages] for a in model.answer(questions)}
+    gone = {ids[0] for ids in before.values()}
+    seen, errors, done = [], [], threading.Event()
+
+    def ask():
+        while not done.is_set():
+            try:
+                seen.append(
+                    {a.question: [p.id for p in a.passages] for a in model.answer(questions)}
+                )
+            except Exception as e:  # noqa: BLE001 - reported below
+                errors.append(e)
+
+    thread = threading.Thread(target=ask)
+    thread.start()
+    model.edit(deletes=sorted(gone))
+    after = {a.question: [p.id for p in a.passages] for a in model.answer(questions)}
+    done.set()
+    thread.join()
+    assert not errors and seen
+    assert all(s in (before, after) for s in seen)
+    assert not gone & {i for ids in after.values() for i in ids}
