@@ -114,6 +114,7 @@ class Bundle:
 
     Attributes:
       rag_cfg: the RAG config (its `generation` holds the decoding defaults).
+      fingerprint: the passage encoder's (`encode.encoder_fingerprint`), its index's provenance.
       encoder: the passage tower and how it reads passages (`edit` encodes with it).
       question_tokenizer, generator_tokenizer: the two tokenizers.
       settings: the answering defaults.
@@ -144,15 +145,17 @@ class Bundle:
         fast_compile: compile the answering programs for a quick first answer (XLA backend
           optimisation level 0: about half the compile time) rather than for throughput.
         """
-        if retriever.index.encoder_fingerprint != encoder.fingerprint:
+        # A manifest holds the encoder's fingerprint (hashing the parameters once is enough).
+        manifest = manifest or bundle_format.new_manifest(encoder, retriever, settings, None)
+        self.fingerprint = manifest["encoder_fingerprint"]
+        if retriever.index.encoder_fingerprint != self.fingerprint:
             raise ValueError(
                 "the retriever's index was not encoded by this passage encoder (fingerprint "
-                f"{retriever.index.encoder_fingerprint} != {encoder.fingerprint})"
+                f"{retriever.index.encoder_fingerprint} != {self.fingerprint})"
             )
         self.rag_cfg, self.encoder, self.settings = rag_cfg, encoder, settings
         self.question_tokenizer, self.generator_tokenizer = question_tokenizer, generator_tokenizer
         self.directory = None if directory is None else pathlib.Path(directory)
-        manifest = manifest or bundle_format.new_manifest(encoder, retriever, settings, None)
         self.step = manifest.get("step")
         self._params = jax.device_put({k: params[k] for k in ("question_encoder", "generator")})
         self._knowledge = _Knowledge(retriever, manifest)
@@ -183,7 +186,7 @@ class Bundle:
         )
         encoder = exp.passage_encoder(params["passage_encoder"])
         if not isinstance(retriever.index, ExactIndex | ScannIndex):  # a device index
-            provenance = {"encoder_fingerprint": encoder.fingerprint}
+            provenance = {"encoder_fingerprint": retriever.index.encoder_fingerprint}
             exact = ExactIndex(
                 retriever.vectors, corpus_checksum=retriever.store.checksum, **provenance
             )
@@ -252,7 +255,9 @@ class Bundle:
             bundle_format.link_tree(r.store.directory, tmp / "passages")
             scann = r.index if isinstance(r.index, ScannIndex) else None
             checksum = r.store.checksum
-            bundle_format.write_index(tmp, self.encoder, checksum, r.vectors, self.settings, scann)
+            bundle_format.write_index(
+                tmp, self.fingerprint, checksum, r.vectors, self.settings, scann
+            )
             bundle_format.share_modes(tmp)
 
         files.swap_dir(directory, write_fn, knowledge.manifest, what="bundle")
@@ -471,7 +476,7 @@ class Bundle:
                 )
                 if built.checksum != checksum:  # both hash the same records: never differs
                     raise RuntimeError(f"store checksum {built.checksum} != {checksum}")
-                bundle_format.write_index(tmp, self.encoder, checksum, vectors, self.settings)
+                bundle_format.write_index(tmp, self.fingerprint, checksum, vectors, self.settings)
                 bundle_format.share_modes(tmp)
 
             manifest = dict(knowledge.manifest, corpus_checksum=checksum, count=len(passages))

@@ -143,10 +143,13 @@ def link_tree(source: pathlib.Path, target: pathlib.Path) -> None:
             shutil.copy2(src, dst)
 
 
-def write_index(directory, encoder, checksum: str, vectors, settings: Settings, scann=None):
-    """index/ (the exact index of `vectors`) and, with `settings.index == "scann"`, scann/ (the
-    searcher `scann`, or one built from the vectors)."""
-    provenance = {"encoder_fingerprint": encoder.fingerprint, "corpus_checksum": checksum}
+def write_index(
+    directory, fingerprint: str, checksum: str, vectors, settings: Settings, scann=None
+):
+    """index/ (the exact index of `vectors`, encoded by the encoder of `fingerprint` from the
+    corpus of `checksum`) and, with `settings.index == "scann"`, scann/ (the searcher `scann`, or
+    one built from the vectors)."""
+    provenance = {"encoder_fingerprint": fingerprint, "corpus_checksum": checksum}
     ExactIndex(vectors, **provenance).save(str(directory / "index"))
     if settings.index == "scann":
         (scann or ScannIndex.build(vectors, **provenance)).save(str(directory / "scann"))
