@@ -36,7 +36,8 @@ def main(argv):
     if _BUNDLE.value:
         model = bundle.load(_BUNDLE.value, fast_compile=True)  # a few answers, once
     else:
-        from rag_jax.training import loop  # the trainer's restore, only for a workdir
+        # Imported here: the trainer's 0.5 s of imports are no part of a bundle's start-up.
+        from rag_jax.training import loop
 
         exp, state, step = loop.restore(_WORKDIR.value)
         params = sharding.replicated_to_host(state.params)

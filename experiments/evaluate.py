@@ -18,6 +18,7 @@ import pathlib
 from absl import app, flags, logging
 
 from rag_jax import bundle, data, evaluation, host
+from rag_jax.training import loop
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "a training workdir (checkpoints + config)")
 _BUNDLE = flags.DEFINE_string("bundle", None, "a bundle folder (<workdir>/bundle)")
@@ -31,8 +32,6 @@ flags.mark_flags_as_mutual_exclusive(["workdir", "bundle"], required=True)
 
 
 def _from_workdir():
-    from rag_jax.training import loop  # the trainer's restore, only for a workdir
-
     exp, state, step = loop.restore(_WORKDIR.value)
     config = exp.config
     variant = _VARIANT.value or config.rag.variant

@@ -17,6 +17,7 @@ import json
 from absl import app, flags, logging
 
 from rag_jax import bundle, host, sharding
+from rag_jax.training import loop
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "a training workdir (checkpoints + config)")
 _STEP = flags.DEFINE_integer("step", None, "the checkpoint step (default: the newest)")
@@ -35,8 +36,6 @@ def main(argv):
     if _BUNDLE.value:
         model = bundle.load(_BUNDLE.value)
     else:
-        from rag_jax.training import loop  # the trainer's restore, only for a workdir
-
         exp, state, step = loop.restore(_WORKDIR.value, step=_STEP.value)
         params = sharding.replicated_to_host(state.params)
         model = bundle.Bundle.from_experiment(exp, params, step=step)
