@@ -8,14 +8,17 @@ import pathlib
 import shutil
 import threading
 
+import jax
 import numpy as np
 import pytest
 
-from rag_jax import bundle, bundle_format, data, evaluation, synthetic
+from experiments.configs import default as default_config
+from rag_jax import bundle, bundle_format, data, evaluation, sharding, synthetic
 from rag_jax.retrieval import files
 from rag_jax.retrieval.corpus import Passage
 from rag_jax.retrieval.index import ScannIndex
 from rag_jax.retrieval.retriever import Retriever
+from rag_jax.training import loop
 from tiny_runs import tiny_config
 
 
@@ -256,10 +259,7 @@ def test_the_default_job_answers_edited_facts_from_the_edited_passages(tmp_path)
     """Knowledge hot-swap on the default job's world: change the answer word of the passages
     the model answered held-out questions from, and it answers the new words; delete them, and
     no question retrieves them again. No parameter changes."""
-    from experiments.configs import default
-    from rag_jax.training import loop
-
-    config = default.get_config()
+    config = default_config.get_config()
     loop.train_and_evaluate(config, tmp_path)
     model = bundle.load(tmp_path / "bundle")
     d = config.data
@@ -369,3 +369,18 @@ def test_answers_while_an_edit_runs_read_one_snapshot(copy, trained):
     assert not errors and seen
     assert all(s in (before, after) for s in seen)
     assert not gone & {i for ids in after.values() for i in ids}
+
+
+def test_a_bundle_of_an_earlier_checkpoint_step(tiny_trained_run, tmp_path):
+    """export.py's path: `loop.restore(step=...)` and `Bundle.from_experiment`."""
+    workdir, _ = tiny_trained_run
+    exp, state, step = loop.restore(workdir, step=3)
+    assert step == 3
+    model = bundle.Bundle.from_experiment(exp, sharding.replicated_to_host(state.params), step=3)
+    model.save(tmp_path / "step3")
+    at_3, at_6 = bundle.load(tmp_path / "step3"), bundle.load(workdir / "bundle")
+    assert at_3.step == 3
+    flat = lambda b: jax.tree.leaves(b.params["generator"])  # noqa: E731
+    assert any(not np.array_equal(a, b) for a, b in zip(flat(at_3), flat(at_6), strict=True))
+    with pytest.raises(FileNotFoundError, match=r"no checkpoint step 4 .*its steps: \[3, 6\]"):
+        loop.restore(workdir, step=4)

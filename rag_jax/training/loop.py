@@ -139,7 +139,10 @@ def restore(workdir, config: ml_collections.ConfigDict | None = None, exp=None, 
       (experiment, TrainState, step).
     """
     workdir = pathlib.Path(workdir).absolute()
-    config = settings.complete(config or checkpoints.load_config(workdir, step))
+    if config is None:
+        with checkpoints.Checkpointer(workdir, read_only=True) as ckpt:
+            config = ckpt.load_config(_checked_step(ckpt, step))
+    config = settings.complete(config)
     exp = exp or experiment.build(config, workdir, retriever=False)
     mesh = device_mesh(config)
     ckpt_root = config.train.checkpoint_dir or workdir  # e.g. gs://bucket/run
@@ -147,17 +150,23 @@ def restore(workdir, config: ml_collections.ConfigDict | None = None, exp=None, 
     with checkpoints.Checkpointer(ckpt_root, read_only=True) as ckpt:
         if step is None:
             restored = ckpt.restore_latest(abstract)
-        elif step in ckpt.all_steps():
-            restored = ckpt.restore(step, abstract), step
         else:
-            raise FileNotFoundError(
-                f"no checkpoint step {step} in {ckpt.directory}; its steps: {ckpt.all_steps()}"
-            )
+            restored = ckpt.restore(_checked_step(ckpt, step), abstract), step
     if restored is None:
         raise FileNotFoundError(f"no checkpoint in {checkpoints.checkpoint_dir(ckpt_root)}")
     state, step = restored
     passage_params = sharding.replicated_to_host(state.params["passage_encoder"])
     return exp.with_retriever(passage_params), state, step
+
+
+def _checked_step(ckpt: checkpoints.Checkpointer, step: int | None) -> int | None:
+    """`step` when the checkpoint directory holds it (None: the newest), else an error naming the
+    steps it holds."""
+    if step is not None and step not in ckpt.all_steps():
+        raise FileNotFoundError(
+            f"no checkpoint step {step} in {ckpt.directory}; its steps: {ckpt.all_steps()}"
+        )
+    return step
 
 
 class _Logger:
