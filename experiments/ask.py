@@ -1,50 +1,62 @@
-r"""Answers questions from a trained checkpoint, showing the retrieved passages and their weights.
+r"""Answers questions with the passages they came from, from a bundle or a training checkpoint.
 
-    python experiments/ask.py --workdir /tmp/rag_default --question "where was kori balepo born ?"
+    python experiments/ask.py --bundle /tmp/rag_default/bundle \
+        --question "where was resa nemobu born ?" --question "which animal does resa nemobu keep ?"
+    python experiments/ask.py --workdir /tmp/rag_default --question "..." --variant token
 
-Prints, for each question, the N retrieved passages with p(z|x) = softmax(q · d) and the answer.
+`--bundle` opens a trained run's bundle (`rag_jax.bundle`: seconds, no data or encoding);
+`--workdir` restores the newest checkpoint and its experiment instead. Prints, per question, the
+N retrieved passages with p(z|x) (prior) and p(z|x,y) (posterior: which one the answer came from),
+the answer and its log-likelihood, and with RAG-Token the passage each answer token came from;
+`--json` prints each answer as one JSON line instead. Compiled programs are kept in JAX's
+persistent cache (`bundle.enable_compilation_cache`), so later starts skip compiling.
 """
 
-import jax
-import numpy as np
+import json
+
 from absl import app, flags, logging
 
-from rag_jax import data, evaluation, host, rag, sharding
-from rag_jax.training import loop
-from rag_jax.training.batcher import Batcher
+from rag_jax import bundle, host, sharding
 
+_BUNDLE = flags.DEFINE_string("bundle", None, "a bundle folder (<workdir>/bundle)")
 _WORKDIR = flags.DEFINE_string("workdir", None, "a training workdir (checkpoints + config)")
 _QUESTIONS = flags.DEFINE_multi_string("question", None, "a question (repeatable)")
-flags.mark_flags_as_required(["workdir", "question"])
+_VARIANT = flags.DEFINE_enum("variant", None, ["sequence", "token"], "default: the run's")
+_BEAMS = flags.DEFINE_integer("num_beams", None, "default: the run's (1 = greedy)")
+_N_DOCS = flags.DEFINE_integer("n_docs", None, "passages per question; default: the run's")
+_JSON = flags.DEFINE_bool("json", False, "one JSON line per answer")
+flags.mark_flag_as_required("question")
+flags.mark_flags_as_mutual_exclusive(["bundle", "workdir"], required=True)
 
 
 def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)
-    exp, state, _ = loop.restore(_WORKDIR.value)
-    questions = [data.Example(q, ("",), f"q{i}") for i, q in enumerate(_QUESTIONS.value)]
-    mesh = sharding.data_mesh(jax.devices()[:1])
-    with exp.config.unlocked():
-        exp.config.eval.batch_size = len(questions)
-    batcher = Batcher(exp, mesh)
-    fields, pieces = batcher.questions(questions)
-    hits = batcher.retrieve(state.params, fields, pieces, exp.retriever)
-    q = batcher.embed(state.params, fields["question_input_ids"], fields["question_attention_mask"])
-    # p(z|x) as the model weighs the retrieved passages: softmax of scale * q · d over N docs.
-    scores = rag.doc_scores(q, hits.doc_vectors, exp.rag_cfg.doc_score_scale)
-    weights = np.asarray(jax.nn.softmax(scores, axis=-1))
-    _, predictions = evaluation.evaluate(
-        exp, state.params, questions, mesh=mesh, variant=exp.config.rag.variant
+    bundle.enable_compilation_cache()
+    if _BUNDLE.value:
+        model = bundle.load(_BUNDLE.value, fast_compile=True)  # a few answers, once
+    else:
+        # Imported here: the trainer's 0.5 s of imports are no part of a bundle's start-up.
+        from rag_jax.training import loop
+
+        exp, state, step = loop.restore(_WORKDIR.value)
+        params = sharding.replicated_to_host(state.params)
+        model = bundle.Bundle.from_experiment(exp, params, step=step)
+    answers = model.answer(
+        _QUESTIONS.value, variant=_VARIANT.value, num_beams=_BEAMS.value, n_docs=_N_DOCS.value
     )
-    for b, example in enumerate(questions):
-        print(f"\nQ: {example.question}")
-        for n, row in enumerate(hits.doc_ids[b]):
-            row = int(row)
-            print(
-                f"  {weights[b, n]:.3f}  [{exp.store.ids[row]}] {exp.store.title(row)}: "
-                f"{exp.store.text(row)[:160]}"
-            )
-        print(f"A: {predictions[b]['prediction']}")
+    for answer in answers:
+        if _JSON.value:
+            print(json.dumps(answer.to_dict()))
+            continue
+        print(f"\nQ: {answer.question}" + ("  (truncated)" if answer.truncated else ""))
+        print("   prior  posterior")
+        for n, p in enumerate(answer.passages):
+            print(f"{n:>2} {p.prior:6.3f} {p.posterior:9.3f}  [{p.id}] {p.title}: {p.text[:120]}")
+        print(f"A: {answer.answer}   (log p = {answer.log_likelihood:.3f})")
+        for token in answer.tokens or ():
+            best = max(range(len(token.posteriors)), key=token.posteriors.__getitem__)
+            print(f"   {token.token!r:>16} <- passage {best} ({token.posteriors[best]:.3f})")
 
 
 if __name__ == "__main__":

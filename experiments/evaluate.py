@@ -1,11 +1,14 @@
-r"""Evaluates a trained checkpoint on held-out questions: EM, F1, answer and gold recall@k.
+r"""Evaluates a trained model on held-out questions: EM, F1, answer and gold recall@k.
 
     python experiments/evaluate.py --workdir /tmp/rag_default
     python experiments/evaluate.py --workdir /tmp/rag_default --variant token --num_beams 4
+    python experiments/evaluate.py --bundle /tmp/rag_default/bundle --questions Q.jsonl
 
-Restores the newest checkpoint and its config from --workdir, writes
-`<workdir>/eval_predictions.jsonl` (answer, gold answers and retrieved passage ids per question) and
-prints the metrics as JSON.
+`--workdir` restores the newest checkpoint and its config, evaluates the run's held-out questions
+and writes `<workdir>/eval_predictions.jsonl` (answer, gold answers and retrieved passage ids per
+question). `--bundle` opens a bundle (`rag_jax.bundle`: no data files, warm starts or encoding)
+and evaluates the questions of a QA file (.jsonl/.csv/.tsv: question, answers, optional gold_ids;
+a run's `predictions.jsonl` reads as one); `--predictions` writes them. Prints the metrics as JSON.
 """
 
 import dataclasses
@@ -14,20 +17,21 @@ import pathlib
 
 from absl import app, flags, logging
 
-from rag_jax import evaluation, host
+from rag_jax import bundle, data, evaluation, host
 from rag_jax.training import loop
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "a training workdir (checkpoints + config)")
+_BUNDLE = flags.DEFINE_string("bundle", None, "a bundle folder (<workdir>/bundle)")
+_QUESTIONS = flags.DEFINE_string("questions", None, "with --bundle: the QA file to evaluate")
+_OUT = flags.DEFINE_string("predictions", None, "where predictions go (default: the workdir's)")
 _VARIANT = flags.DEFINE_enum("variant", None, ["sequence", "token"], "default: the config's")
 _BEAMS = flags.DEFINE_integer("num_beams", None, "default: the config's eval.num_beams")
 _DECODING = flags.DEFINE_enum("sequence_decoding", None, ["thorough", "fast"], "RAG-Sequence")
 _MAX = flags.DEFINE_integer("max_examples", 0, "evaluate the first N questions (0 = all)")
-flags.mark_flag_as_required("workdir")
+flags.mark_flags_as_mutual_exclusive(["workdir", "bundle"], required=True)
 
 
-def main(argv):
-    del argv
-    logging.set_verbosity(logging.WARNING)
+def _from_workdir():
     exp, state, step = loop.restore(_WORKDIR.value)
     config = exp.config
     variant = _VARIANT.value or config.rag.variant
@@ -41,9 +45,31 @@ def main(argv):
     metrics, predictions = evaluation.evaluate(
         exp, state.params, examples, mesh=loop.device_mesh(config), variant=variant
     )
-    out = pathlib.Path(_WORKDIR.value) / "eval_predictions.jsonl"
-    out.write_text("".join(json.dumps(p) + "\n" for p in predictions), encoding="utf-8")
-    print(json.dumps({"step": step, "variant": variant, **metrics}, sort_keys=True))
+    return {"step": step, "variant": variant, **metrics}, predictions
+
+
+def main(argv):
+    del argv
+    logging.set_verbosity(logging.WARNING)
+    if _BUNDLE.value:
+        bundle.enable_compilation_cache()
+        if not _QUESTIONS.value:
+            raise app.UsageError("--bundle needs --questions: a bundle holds no QA data")
+        model = bundle.load(_BUNDLE.value)
+        examples = data.read_examples(_QUESTIONS.value)[: _MAX.value or None]
+        options = dict(variant=_VARIANT.value, num_beams=_BEAMS.value)
+        metrics, predictions = evaluation.evaluate_bundle(
+            model, examples, sequence_decoding=_DECODING.value, **options
+        )
+        report = {"step": model.step, "variant": _VARIANT.value or model.settings.variant}
+        report.update(metrics)
+        out = _OUT.value
+    else:
+        report, predictions = _from_workdir()
+        out = _OUT.value or pathlib.Path(_WORKDIR.value) / "eval_predictions.jsonl"
+    if out:
+        pathlib.Path(out).write_text("".join(json.dumps(p) + "\n" for p in predictions))
+    print(json.dumps(report, sort_keys=True))
 
 
 if __name__ == "__main__":

@@ -189,3 +189,44 @@ def summary_metrics(m: dict) -> tuple[float, float]:
     """(recall@5, EM): gold-passage recall where gold ids exist, else answer recall."""
     recall = m.get("gold_recall@5", m.get("answer_recall@5", float("nan")))
     return recall, m.get("exact_match", float("nan"))
+
+
+def evaluate_bundle(model, examples, *, batch_size: int = 32, ks=(1, 5), **answer_options):
+    """EM/F1 and retrieval recall@k of a bundle's answers (`Bundle.answer`) over `examples`.
+
+    Args:
+      model: a `bundle.Bundle`.
+      examples: `data.Example`s (gold answers; gold passage ids where known).
+      batch_size: questions per `answer` call.
+      ks: recall cut-offs (those above n_docs are left out).
+      **answer_options: `Bundle.answer`'s (variant, num_beams, n_docs, sequence_decoding).
+
+    Returns:
+      (metrics, predictions), as `evaluate` returns them.
+    """
+    n_docs = answer_options.get("n_docs") or model.rag_cfg.n_docs
+    ks = [k for k in ks if k <= n_docs]
+    totals, predictions = {}, []
+    for start in range(0, len(examples), batch_size):
+        batch = examples[start : start + batch_size]
+        answers = model.answer([e.question for e in batch], **answer_options)
+        texts = [a.answer for a in answers]
+        gold = [e.answers for e in batch]
+        ids = [[p.id for p in a.passages] for a in answers]
+        totals = metrics.merge_metrics(
+            totals,
+            metrics.qa_metrics(texts, gold),
+            metrics.answer_recall(gold, [[p.text for p in a.passages] for a in answers], ks),
+            metrics.gold_recall(ids, [e.gold_ids for e in batch], ks),
+        )
+        predictions += [
+            {
+                "id": e.id,
+                "question": e.question,
+                "prediction": a.answer,
+                "answers": list(e.answers),
+                "retrieved": row,
+            }
+            for e, a, row in zip(batch, answers, ids, strict=True)
+        ]
+    return metrics.reduce_metrics(totals), predictions

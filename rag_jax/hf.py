@@ -522,3 +522,16 @@ def load_rag_tokenizers(path):
             raise CheckpointError(f"no {sub}/ in {path} (saved by RagTokenizer.save_pretrained)")
         tokenizers.append(load_tokenizer(path / sub))
     return tuple(tokenizers)
+
+
+# ---------------------------------------------------------------------------------------------
+# Export: `rag_jax.hf_export` builds on the name maps above; `hf.save_rag` etc. are its functions.
+# The two modules read each other's names only when called, so either may be imported first.
+
+from rag_jax import hf_export  # noqa: E402
+
+
+def __getattr__(name: str):
+    if name in hf_export.__all__:
+        return getattr(hf_export, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

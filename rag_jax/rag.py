@@ -524,3 +524,49 @@ def _generate_jit(cfg, params, context_ids, context_mask, doc_scores, *, setting
     return generation.generate(
         cfg, params, context_ids, context_mask, doc_scores, settings=dict(settings), **options
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# Provenance
+
+
+def doc_posteriors(
+    cfg: RagConfig,
+    params: dict,
+    context_input_ids: jax.Array,
+    context_attention_mask: jax.Array,
+    doc_scores: jax.Array,
+    labels: jax.Array,
+) -> tuple[jax.Array, jax.Array]:
+    """Which retrieved passage an answer, and each of its tokens, came from.
+
+    Teacher-forces `labels` (e.g. a generated answer) against each doc; see
+    `rag_math.doc_posteriors` for the two posteriors.
+
+    Args:
+      cfg: the RAG config.
+      params: RAG parameters.
+      context_input_ids: [B * N, S] generator contexts, row b * N + n.
+      context_attention_mask: [B * N, S].
+      doc_scores: [B, N].
+      labels: [B, T] decoder inputs, as `nll` reads them (`generate`'s output fits as is).
+
+    Returns:
+      posterior: [B, N] `p(z|x, y)`.
+      token_posteriors: [B, T, N] `p(z|x, y_<=t)` of the token `labels[:, t + 1]` (zeros where it
+        is a pad).
+    """
+    _check_contexts(context_input_ids, context_attention_mask, doc_scores, cfg.n_docs)
+    return _doc_posteriors_jit(
+        cfg, params, context_input_ids, context_attention_mask, doc_scores, labels
+    )
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _doc_posteriors_jit(cfg, params, context_ids, context_mask, doc_scores, labels):
+    _TRACES["doc_posteriors"] += 1
+    labels = jnp.asarray(labels, jnp.int32)
+    seq_logits = generator_logits(cfg, params, context_ids, context_mask, labels)
+    return rag_math.doc_posteriors(
+        seq_logits, doc_scores, labels, pad_token_id=cfg.pad_token_id, n_docs=cfg.n_docs
+    )

@@ -504,3 +504,47 @@ def select_top_candidates(
     top_scores, index = jax.lax.top_k(scores, num_return)  # -> [B, R]
     tokens = jnp.take_along_axis(candidates, index[:, :, None], axis=1)  # -> [B, R, L]
     return tokens, top_scores
+
+
+def doc_posteriors(
+    seq_logits: jax.Array,
+    doc_scores: jax.Array,
+    target: jax.Array,
+    *,
+    pad_token_id: int,
+    n_docs: int,
+) -> tuple[jax.Array, jax.Array]:
+    """Which retrieved doc an answer, and each of its tokens, came from (the paper's provenance).
+
+    - `posterior[b, z] = p(z|x, y) ∝ p(z|x) prod_t p(y_t|x, z, y_<t)`: RAG-Sequence's posterior
+      of the one doc that produced the whole answer.
+    - `token_posteriors[b, t, z] = p(z|x, y_<=t) ∝ p(z|x) p(y_t|x, z, y_<t)`: RAG-Token draws a
+      doc per token, so the doc of token t is explained by that token alone (Lewis et al. 2020,
+      figure 2).
+
+    Every unpadded target position counts (BOS included); the prior is the softmax of the doc
+    scores, as in the likelihoods above. `target` is read as the NLL functions read it: the
+    decoder inputs, shifted one step left here.
+
+    Args:
+      seq_logits: [B * N, T, V] generator logits, row `b * N + n` conditioned on doc n.
+      doc_scores: [B, N] retrieval scores (unnormalised).
+      target: [B, T] int decoder input ids the logits were computed from.
+      pad_token_id: generator pad id; positions predicting it are not scored.
+      n_docs: N.
+
+    Returns:
+      posterior: [B, N], each row summing to 1.
+      token_posteriors: [B, T, N]; row t is the posterior of the token `target[:, t + 1]` and
+        sums to 1, or is all zeros where that token is a pad (the last row always is).
+    """
+    batch, _, length, vocab = _check_nll_inputs(seq_logits, doc_scores, target, n_docs)
+    target = _shift_left(target, pad_token_id)
+    token_lp, _ = _token_logprobs(seq_logits.reshape(batch, n_docs, length, vocab), target)
+    scored = (target != pad_token_id)[:, None, :]  # [B, 1, T]
+    token_lp = jnp.where(scored, token_lp, 0.0)  # -> [B, N, T]
+    doc_logprobs = jax.nn.log_softmax(doc_scores.astype(token_lp.dtype), axis=1)  # [B, N]
+    posterior = jax.nn.softmax(doc_logprobs + token_lp.sum(axis=2), axis=1)
+    per_token = jax.nn.softmax(doc_logprobs[:, :, None] + token_lp, axis=1)  # [B, N, T]
+    per_token = jnp.where(scored, per_token, 0.0)
+    return posterior, jnp.transpose(per_token, (0, 2, 1))  # -> [B, T, N]

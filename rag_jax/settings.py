@@ -256,6 +256,11 @@ SCHEMA: dict[str, dict[str, tuple]] = {
         "save_every": (100, "steps between checkpoints"),
         "keep_checkpoints": (2, "newest checkpoints kept"),
         "checkpoint_dir": ("", "empty: the workdir; gs://bucket/run for multi-host runs"),
+        "bundle": (
+            True,
+            "at the end of a run, write <workdir>/bundle: the model, tokenizers, passages and the "
+            "final passage encoder's index, all a user needs to answer (rag_jax.bundle)",
+        ),
     },
     "eval": {
         "enabled": (True, "evaluate held-out questions before and after training"),

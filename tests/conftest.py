@@ -95,3 +95,16 @@ def small_disk(tmp_path):
         yield disks
     finally:
         disks.unmount_all()
+
+
+@pytest.fixture(scope="session")
+def tiny_trained_run(tmp_path_factory):
+    """One finished tiny run of the default job (6 steps, shortened warm starts) and its summary:
+    its workdir holds the trainer's bundle and predictions. Shared by the bundle and export tests
+    (~30 s)."""
+    from rag_jax.training import loop
+    from tiny_runs import tiny_config
+
+    workdir = tmp_path_factory.mktemp("tiny_trained")
+    config = tiny_config(**{"warm_start.steps": 60, "eval.max_examples": 16})
+    return workdir, loop.train_and_evaluate(config, workdir)

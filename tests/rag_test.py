@@ -367,3 +367,48 @@ def test_doc_score_scale_multiplies_the_scores_the_likelihood_reads(models):
     np.testing.assert_allclose(loss, np.mean(per_example), rtol=1e-5)
     unscaled, _ = rag.loss_fn(cfg, params, batch, variant)
     assert abs(float(unscaled) - float(loss)) > 1e-3  # the scale changes p(z|x)
+
+
+def _log_softmax(x, axis):
+    x = x - x.max(axis=axis, keepdims=True)
+    return x - np.log(np.exp(x).sum(axis=axis, keepdims=True))
+
+
+def test_doc_posteriors_match_numpy_on_hf_per_doc_likelihoods(models):
+    """p(z|x, y) and RAG-Token's p(z|x, y_<=t), in numpy from HF's per-doc generator logits."""
+    variant, torch_model, cfg, params = models
+    x = inputs(cfg, seed=7)
+    with torch.no_grad():
+        out = torch_model(
+            context_input_ids=torch.tensor(x["context_input_ids"]),
+            context_attention_mask=torch.tensor(x["context_attention_mask"]),
+            doc_scores=torch.tensor(x["doc_scores"]),
+            labels=torch.tensor(x["labels"]),
+        )
+    logits = out.logits.numpy().astype(np.float64)  # -> [B * N, T, V], one row per doc
+    assert logits.shape[0] == B * N
+    target = np.concatenate([x["labels"][:, 1:], np.full((B, 1), 1)], axis=1)  # pad = 1
+    logprobs = _log_softmax(logits, -1).reshape(B, N, T, -1)
+    per_doc = np.take_along_axis(logprobs, target[:, None, :, None], axis=-1)[..., 0]  # [B, N, T]
+    scored = target != 1  # [B, T]
+    per_doc = np.where(scored[:, None, :], per_doc, 0.0)
+    prior = _log_softmax(x["doc_scores"].astype(np.float64), 1)  # [B, N]
+    want = np.exp(_log_softmax(prior + per_doc.sum(axis=2), 1))
+    want_tokens = np.exp(_log_softmax(prior[:, :, None] + per_doc, 1)).transpose(0, 2, 1)
+    want_tokens = np.where(scored[:, :, None], want_tokens, 0.0)  # -> [B, T, N]
+
+    posterior, tokens = rag.doc_posteriors(
+        cfg,
+        params,
+        x["context_input_ids"],
+        x["context_attention_mask"],
+        x["doc_scores"],
+        x["labels"],
+    )
+    assert posterior.shape == (B, N) and tokens.shape == (B, T, N)
+    np.testing.assert_allclose(posterior, want, rtol=0, atol=1e-4)
+    np.testing.assert_allclose(tokens, want_tokens, rtol=0, atol=1e-4)
+    # Not the prior in disguise: the answer moves the weights, and differently per token.
+    assert np.abs(want - np.exp(prior)).max() > 0.05
+    assert np.abs(want_tokens[:, 0] - want_tokens[:, 1]).max() > 0.05
+    np.testing.assert_allclose(np.asarray(tokens).sum(-1), scored.astype(float), atol=1e-5)

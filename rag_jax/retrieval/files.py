@@ -131,8 +131,9 @@ def write_atomic(path, data, *, what: str | None = None, advice: str | None = No
 def swap_dir(directory, write_fn: Callable[[str], None], manifest: dict, *, what: str) -> None:
     """Writes a folder beside `directory`, then swaps it in: readers never see half of one.
 
-    `write_fn(tmp)` writes the data files into the folder `tmp`; their sizes and sha256s go into
-    the manifest (`write_manifest`), written last. On any failure the previous folder stays in
+    `write_fn(tmp)` writes the data files into the folder `tmp` (sub-folders too: their files are
+    listed by relative path, `files_under`); their sizes and sha256s go into the manifest
+    (`write_manifest`), written last. On any failure the previous folder stays in
     place and nothing of the new one is left; a full disk raises `OSError(ENOSPC)` saying so.
 
     Args:
@@ -157,7 +158,7 @@ def swap_dir(directory, write_fn: Callable[[str], None], manifest: dict, *, what
         advice = f"nothing of it was kept{kept}; free space and save again"
         with disk_full(f"the {what} {directory}", advice):
             write_fn(tmp)
-            records = {f: file_record(os.path.join(tmp, f)) for f in sorted(os.listdir(tmp))}
+            records = {f: file_record(os.path.join(tmp, f)) for f in files_under(tmp)}
             text = manifest_text({**manifest, "files": records})
             with open(os.path.join(tmp, MANIFEST), "w", encoding="utf-8") as f:
                 f.write(text)  # the folder's rename below is what makes it atomic
@@ -171,6 +172,17 @@ def swap_dir(directory, write_fn: Callable[[str], None], manifest: dict, *, what
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
         shutil.rmtree(old, ignore_errors=True)
+
+
+def files_under(directory) -> list[str]:
+    """Every file below `directory` as sorted relative paths with "/" separators: a flat folder's
+    file names, and a nested one's files one by one (e.g. a bundle's passage store)."""
+    found = []
+    for root, dirs, names in os.walk(directory):
+        dirs.sort()
+        rel = pathlib.Path(root).relative_to(directory).as_posix()
+        found += [name if rel == "." else f"{rel}/{name}" for name in names]
+    return sorted(found)
 
 
 # ---------------------------------------------------------------------------------------------

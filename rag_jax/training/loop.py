@@ -27,10 +27,11 @@ import ml_collections
 import numpy as np
 import tqdm
 
-from rag_jax import checkpoints, experiment, metrics, settings, sharding
+from rag_jax import bundle, checkpoints, experiment, metrics, settings, sharding
 from rag_jax.evaluation import evaluate, summary_metrics
 from rag_jax.retrieval import files
 from rag_jax.retrieval.device_index import DeviceIndex
+from rag_jax.retrieval.retriever import Retriever
 from rag_jax.training import refresh
 from rag_jax.training.batcher import Batcher
 from rag_jax.training.optim import make_optimizer
@@ -128,27 +129,44 @@ def _abstract_state(exp: experiment.Experiment, tx, mesh) -> TrainState:
     return jax.tree.map(to_struct, shapes)
 
 
-def restore(workdir, config: ml_collections.ConfigDict | None = None, exp=None):
-    """The newest checkpoint in `workdir` (config read from beside it unless given), with the
-    experiment whose retriever is the checkpoint's passage encoder's: its index is loaded from
-    `<workdir>/index` when the run saved it (a frozen passage encoder, or the final index of a
-    refreshing run), encoded otherwise.
+def restore(workdir, config: ml_collections.ConfigDict | None = None, exp=None, step=None):
+    """The newest checkpoint in `workdir` (or checkpoint `step`; config read from beside it
+    unless given), with the experiment whose retriever is the checkpoint's passage encoder's:
+    its index is loaded from `<workdir>/index` when the run saved it (a frozen passage encoder,
+    or the final index of a refreshing run), encoded otherwise.
 
     Returns:
       (experiment, TrainState, step).
     """
     workdir = pathlib.Path(workdir).absolute()
-    config = settings.complete(config or checkpoints.load_config(workdir))
+    if config is None:
+        with checkpoints.Checkpointer(workdir, read_only=True) as ckpt:
+            config = ckpt.load_config(_checked_step(ckpt, step))
+    config = settings.complete(config)
     exp = exp or experiment.build(config, workdir, retriever=False)
     mesh = device_mesh(config)
     ckpt_root = config.train.checkpoint_dir or workdir  # e.g. gs://bucket/run
+    abstract = _abstract_state(exp, make_optimizer(config.train), mesh)
     with checkpoints.Checkpointer(ckpt_root, read_only=True) as ckpt:
-        restored = ckpt.restore_latest(_abstract_state(exp, make_optimizer(config.train), mesh))
+        if step is None:
+            restored = ckpt.restore_latest(abstract)
+        else:
+            restored = ckpt.restore(_checked_step(ckpt, step), abstract), step
     if restored is None:
         raise FileNotFoundError(f"no checkpoint in {checkpoints.checkpoint_dir(ckpt_root)}")
     state, step = restored
     passage_params = sharding.replicated_to_host(state.params["passage_encoder"])
     return exp.with_retriever(passage_params), state, step
+
+
+def _checked_step(ckpt: checkpoints.Checkpointer, step: int | None) -> int | None:
+    """`step` when the checkpoint directory holds it (None: the newest), else an error naming the
+    steps it holds."""
+    if step is not None and step not in ckpt.all_steps():
+        raise FileNotFoundError(
+            f"no checkpoint step {step} in {ckpt.directory}; its steps: {ckpt.all_steps()}"
+        )
+    return step
 
 
 class _Logger:
@@ -176,6 +194,21 @@ class _Logger:
         if self.active:
             self.jsonl.close()
             self.tb.close()
+
+
+def _write_bundle(exp, state: TrainState, retriever, step: int, directory) -> None:
+    """The run's bundle (`rag_jax.bundle`): the final parameters and index, written by process 0."""
+    if not isinstance(retriever, Retriever):
+        print(f"no bundle: a {type(retriever).__name__} run has no passages to bundle", flush=True)
+        return
+    if jax.process_index() == 0:
+        params = sharding.replicated_to_host(state.params)  # this process's own copy
+        written = bundle.save(directory, exp, params, retriever=retriever, step=step)
+        size = sum(p.stat().st_size for p in directory.rglob("*") if p.is_file())
+        print(
+            f"bundle: {directory} ({sharding.human_bytes(size)}, {len(written.store)} passages)",
+            flush=True,
+        )
 
 
 def device_mesh(config: ml_collections.ConfigDict):
@@ -322,6 +355,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir) -> dict:
     if jax.process_index() == 0 and config.eval.enabled:
         with open(workdir / "predictions.jsonl", "w", encoding="utf-8") as f:
             f.writelines(json.dumps(p) + "\n" for p in predictions)
+    if tc.bundle and step == tc.steps:
+        _write_bundle(exp, state, retriever, step, workdir / "bundle")
     recall_before, em_before = summary_metrics(before)
     recall_after, em_after = summary_metrics(after)
     return {

@@ -144,10 +144,14 @@ def test_eight_devices_equal_one(tmp_path):
                 "train.optimizer": "sgd",
                 "train.learning_rate": 0.1,
                 "eval.enabled": False,
+                "train.bundle": devices == 8,
             }
         )
         loop.train_and_evaluate(config, tmp_path / str(devices))
         results[devices] = _flat(_final_params(tmp_path / str(devices))[1])
+    # train.bundle: the trainer writes <workdir>/bundle, or (False) nothing.
+    assert (tmp_path / "8" / "bundle" / "manifest.json").is_file()
+    assert not (tmp_path / "1" / "bundle").exists()
     moved = 0
     for k in results[1]:
         np.testing.assert_allclose(results[1][k], results[8][k], atol=1e-5, rtol=0, err_msg=k)

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rag_jax import checkpoints, evaluation, experiment, rag, settings, sharding, synthetic
+from rag_jax import bundle, checkpoints, evaluation, experiment, rag, settings, sharding, synthetic
 from rag_jax.retrieval import encode, retriever
 from rag_jax.training import loop
 from rag_jax.training.batcher import Batcher
@@ -210,6 +210,23 @@ def test_a_restore_searches_the_trained_passage_encoders_saved_index(refreshed_r
     got, _ = evaluation.evaluate(exp, state.params, exp.eval[:16], mesh=mesh, variant="sequence")
     assert got == summary["eval"]  # the trainer's own final evaluation, recall@5 included
     assert got["gold_recall@5"] == summary["recall_at_5_after"]
+
+
+def test_the_bundle_of_a_refreshed_run_answers_as_its_final_evaluation(refreshed_run):
+    """The trainer's bundle holds the index of the passage encoder it trained (not the initial
+    one) and answers the held-out questions as the final evaluation did."""
+    workdir, _ = refreshed_run
+    model = bundle.load(workdir / "bundle")
+    config = refresh_config(workdir / "cache")
+    initial = experiment.build(config, workdir / "initial", retriever=False).params
+    initial_fingerprint = encode.encoder_fingerprint(model.encoder.cfg, initial["passage_encoder"])
+    assert model.manifest["encoder_fingerprint"] == model.encoder.fingerprint != initial_fingerprint
+    assert model.retriever.index.encoder_fingerprint == model.encoder.fingerprint
+    lines = (workdir / "predictions.jsonl").read_text().splitlines()
+    predictions = [json.loads(line) for line in lines]
+    answers = model.answer([p["question"] for p in predictions])
+    assert [a.answer for a in answers] == [p["prediction"] for p in predictions]
+    assert [[x.id for x in a.passages] for a in answers] == [p["retrieved"] for p in predictions]
 
 
 @pytest.mark.slow  # a process restoring and evaluating: ~25 s

@@ -1,0 +1,682 @@
+"""A trained model as one folder: everything needed to answer questions, and nothing else.
+
+`save(directory, exp, params)` writes a run's result; `load(directory)` opens it with no data
+files, warm starts or encoding, and `Bundle.answer` answers with the retrieved passages and where
+the answer came from. `Bundle.edit` changes the knowledge without touching a parameter: the
+changed passages are encoded with the bundle's own passage encoder, and the store, the index and
+the manifest are replaced in one atomic swap.
+
+The folder's layout and checks are `rag_jax.bundle_format`'s: a sealed manifest (the passage
+encoder's fingerprint, the corpus checksum, every file's sha256), the config, the three towers'
+parameters (safetensors, dtypes kept), both tokenizers, the passage store and the index of the
+final passage encoder's vectors. A run that searched a device index gets an exact one (the same
+vectors, searched on the host).
+
+Answering is built for repeated calls with varying batch sizes (a server's merged batches): the
+batch is padded to one of `BATCH_BUCKETS` and the contexts to a multiple of
+`Settings.context_pad_multiple`, the jitted programs are cached inside the bundle, and
+`Bundle.traces` counts how many times they were traced. `edit` may run between (or during) calls
+to `answer`: each answer reads one consistent snapshot of the store and index, swapped atomically.
+
+Legend: B batch, N docs per question, S context length, L generated length, Q question length,
+D vector width, C corpus size.
+"""
+
+import collections
+import dataclasses
+import functools
+import os
+import pathlib
+import threading
+from collections.abc import Iterable, Sequence
+
+import jax
+import numpy as np
+
+from rag_jax import bundle_format, hf_export, rag, rag_math, sharding
+from rag_jax.bundle_format import Settings
+from rag_jax.retrieval import encode, files
+from rag_jax.retrieval.corpus import Passage, check_record, corpus_checksum
+from rag_jax.retrieval.index import ExactIndex, ScannIndex
+from rag_jax.retrieval.retriever import PassageEncoder, Retriever
+from rag_jax.retrieval.store import PassageStore
+from rag_jax.training.inputs import context_width, question_tokens
+
+FORMAT, VERSION = bundle_format.FORMAT, bundle_format.VERSION
+# Batch sizes answers are computed at (a batch is padded up to the next); larger batches are cut
+# into batches of the largest.
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+
+
+@dataclasses.dataclass(frozen=True)
+class RetrievedPassage:
+    """One retrieved passage of an answer."""
+
+    id: str
+    title: str
+    text: str
+    score: float  # q · d
+    prior: float  # p(z|x) = softmax of the scores over the N passages
+    posterior: float  # p(z|x, y): how much the answer came from this passage
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenSource:
+    """One answer token (RAG-Token) and the passages it came from."""
+
+    token: str
+    token_id: int
+    posteriors: tuple[float, ...]  # p(z|x, y_<=i), in the order of `Answer.passages`
+
+
+@dataclasses.dataclass(frozen=True)
+class Answer:
+    """The answer to one question, with its provenance (plain data: `to_dict()` is JSON-ready)."""
+
+    question: str
+    answer: str
+    log_likelihood: float  # log p(y|x) of the generated tokens under the variant's model
+    truncated: bool  # the question was longer than the question encoder's Q tokens
+    variant: str
+    passages: tuple[RetrievedPassage, ...]
+    tokens: tuple[TokenSource, ...] | None  # RAG-Token: per-token provenance; else None
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Knowledge:
+    """The passages a bundle answers from: one immutable snapshot, swapped whole by `edit`."""
+
+    retriever: Retriever  # with the config's n_docs
+    manifest: dict
+    by_n_docs: dict = dataclasses.field(default_factory=dict)  # n_docs -> Retriever
+
+    def for_n_docs(self, n_docs: int) -> Retriever:
+        """The same passages and index, retrieving `n_docs` per question."""
+        r = self.retriever
+        if n_docs == r.n_docs:
+            return r
+        if n_docs not in self.by_n_docs:
+            self.by_n_docs[n_docs] = Retriever(
+                r.index,
+                r.store,
+                r.vectors,
+                n_docs=n_docs,
+                max_combined_length=r.max_combined_length,
+                keep_question=r.keep_question,
+            )
+        return self.by_n_docs[n_docs]
+
+
+class Bundle:
+    """A trained RAG model with its tokenizers, passages and index; see the module docstring.
+
+    Attributes:
+      rag_cfg: the RAG config (its `generation` holds the decoding defaults).
+      fingerprint: the passage encoder's (`encode.encoder_fingerprint`), its index's provenance.
+      encoder: the passage tower and how it reads passages (`edit` encodes with it).
+      question_tokenizer, generator_tokenizer: the two tokenizers.
+      settings: the answering defaults.
+      directory: the folder the bundle was loaded from or saved to (None: in memory only).
+      step: the training step its parameters come from, when known.
+    """
+
+    def __init__(
+        self,
+        rag_cfg: rag.RagConfig,
+        encoder: PassageEncoder,
+        params: dict,
+        question_tokenizer,
+        generator_tokenizer,
+        retriever: Retriever,
+        settings: Settings,
+        *,
+        directory=None,
+        manifest: dict | None = None,
+        fast_compile: bool = False,
+    ):
+        """Args:
+        rag_cfg, encoder, question_tokenizer, generator_tokenizer, settings: see Attributes.
+        params: {"question_encoder", "generator"} (the passage tower's are the encoder's).
+        retriever: the passages and their index (vectors of `encoder`).
+        directory: where it lives on disk, if anywhere.
+        manifest: its manifest, when loaded.
+        fast_compile: compile the answering programs for a quick first answer (XLA backend
+          optimisation level 0: about half the compile time) rather than for throughput.
+        """
+        # A manifest holds the encoder's fingerprint (hashing the parameters once is enough).
+        manifest = manifest or bundle_format.new_manifest(encoder, retriever, settings, None)
+        self.fingerprint = manifest["encoder_fingerprint"]
+        if retriever.index.encoder_fingerprint != self.fingerprint:
+            raise ValueError(
+                "the retriever's index was not encoded by this passage encoder (fingerprint "
+                f"{retriever.index.encoder_fingerprint} != {self.fingerprint})"
+            )
+        self.rag_cfg, self.encoder, self.settings = rag_cfg, encoder, settings
+        self.question_tokenizer, self.generator_tokenizer = question_tokenizer, generator_tokenizer
+        self.directory = None if directory is None else pathlib.Path(directory)
+        self.step = manifest.get("step")
+        self._params = jax.device_put({k: params[k] for k in ("question_encoder", "generator")})
+        self._knowledge = _Knowledge(retriever, manifest)
+        self.fast_compile = fast_compile
+        self._edit_lock = threading.Lock()  # one edit at a time
+
+    # -----------------------------------------------------------------------------------------
+    # What it holds
+
+    @classmethod
+    def from_experiment(cls, exp, params: dict, retriever=None, step: int | None = None):
+        """The bundle of a run: `exp` (an `experiment.Experiment`) with trained `params` (host
+        arrays, all three towers) and the retriever of their passage encoder (default: the
+        experiment's)."""
+        retriever = exp.retriever if retriever is None else retriever
+        if not isinstance(retriever, Retriever):
+            raise ValueError(
+                f"a bundle needs passages and an index; this run's retriever is "
+                f"{type(retriever).__name__} (closed book?)"
+            )
+        c = exp.config
+        settings = Settings(
+            question_length=c.data.question_length,
+            variant=c.rag.variant,
+            sequence_decoding=c.eval.sequence_decoding,
+            context_pad_multiple=c.rag.context_pad_multiple,
+            index="scann" if isinstance(retriever.index, ScannIndex) else "exact",
+            keep_question=c.rag.keep_question,
+        )
+        encoder = exp.passage_encoder(params["passage_encoder"])
+        if not isinstance(retriever.index, ExactIndex | ScannIndex):  # a device index
+            provenance = {"encoder_fingerprint": retriever.index.encoder_fingerprint}
+            exact = ExactIndex(
+                retriever.vectors, corpus_checksum=retriever.store.checksum, **provenance
+            )
+            retriever = Retriever(
+                exact,
+                retriever.store,
+                exact.vectors,
+                n_docs=retriever.n_docs,
+                max_combined_length=retriever.max_combined_length,
+                keep_question=retriever.keep_question,
+            )
+        manifest = bundle_format.new_manifest(encoder, retriever, settings, step)
+        return cls(
+            exp.rag_cfg,
+            encoder,
+            params,
+            exp.question_tokenizer,
+            exp.generator_tokenizer,
+            retriever,
+            settings,
+            manifest=manifest,
+        )
+
+    @property
+    def retriever(self) -> Retriever:
+        """The current passages and index (replaced by `edit`)."""
+        return self._knowledge.retriever
+
+    @property
+    def store(self) -> PassageStore:
+        return self._knowledge.retriever.store
+
+    @property
+    def manifest(self) -> dict:
+        return dict(self._knowledge.manifest)
+
+    @property
+    def params(self) -> dict:
+        """All three towers' parameters (host arrays)."""
+        host = jax.device_get(self._params)
+        return {**host, "passage_encoder": self.encoder.params}
+
+    @property
+    def traces(self) -> int:
+        """How many times the jitted programs of this bundle's model were traced (each trace
+        compiles). Bundles of one model (a reloaded or edited copy) share their programs."""
+        return _TRACES[self.rag_cfg]
+
+    def save(self, directory) -> None:
+        """Writes the bundle to `directory` (replacing a bundle there atomically); the bundle is
+        then backed by it (`edit` writes there)."""
+        directory = pathlib.Path(directory)
+        knowledge = self._knowledge
+        r = knowledge.retriever
+
+        def write_fn(tmp):
+            tmp = pathlib.Path(tmp)
+            bundle_format.write_model(
+                tmp,
+                self.rag_cfg,
+                self.encoder,
+                self.params,
+                self.question_tokenizer,
+                self.generator_tokenizer,
+                self.settings,
+            )
+            bundle_format.link_tree(r.store.directory, tmp / "passages")
+            scann = r.index if isinstance(r.index, ScannIndex) else None
+            checksum = r.store.checksum
+            bundle_format.write_index(
+                tmp, self.fingerprint, checksum, r.vectors, self.settings, scann
+            )
+            bundle_format.share_modes(tmp)
+
+        files.swap_dir(directory, write_fn, knowledge.manifest, what="bundle")
+        self.directory = directory
+
+    def to_hf(self, directory, variant: str | None = None) -> dict:
+        """Exports to transformers' format (`hf_export.save_rag`, with the passages and a faiss
+        index of their vectors); returns its summary."""
+        r = self._knowledge.retriever
+        return hf_export.save_rag(
+            directory,
+            self.rag_cfg,
+            self.params,
+            variant=variant or self.settings.variant,
+            question_tokenizer=self.question_tokenizer,
+            generator_tokenizer=self.generator_tokenizer,
+            store=r.store,
+            vectors=r.vectors,
+        )
+
+    # -----------------------------------------------------------------------------------------
+    # Answering
+
+    def answer(
+        self,
+        questions: Sequence[str],
+        *,
+        variant: str | None = None,
+        num_beams: int | None = None,
+        n_docs: int | None = None,
+        sequence_decoding: str | None = None,
+    ) -> list[Answer]:
+        """Answers `questions` with the passages they were answered from.
+
+        Args:
+          questions: B question strings.
+          variant: "sequence" or "token" (default: the run's).
+          num_beams: default `rag_cfg.generation.num_beams` (1 = greedy).
+          n_docs: passages per question (default `rag_cfg.n_docs`).
+          sequence_decoding: RAG-Sequence "thorough" or "fast" (default: the run's).
+
+        Returns:
+          B `Answer`s, in order.
+        """
+        if isinstance(questions, str):
+            raise ValueError("questions: expected a sequence of strings, got one string")
+        questions = list(questions)
+        for i, q in enumerate(questions):
+            if not isinstance(q, str) or not q.strip():
+                raise ValueError(f"questions[{i}]: expected a non-empty string, got {q!r:.80}")
+        variant = variant or self.settings.variant
+        decoding = sequence_decoding or self.settings.sequence_decoding
+        if variant not in ("sequence", "token"):
+            raise ValueError(f"variant must be 'sequence' or 'token', got {variant!r}")
+        if decoding not in ("thorough", "fast"):
+            raise ValueError(f"sequence_decoding must be 'thorough' or 'fast', got {decoding!r}")
+        num_beams = num_beams or self.rag_cfg.generation.num_beams
+        knowledge = self._knowledge  # one snapshot for the whole call, whatever `edit` does
+        n_docs = n_docs or self.rag_cfg.n_docs
+        if not 1 <= n_docs <= len(knowledge.retriever.store):
+            raise ValueError(
+                f"n_docs={n_docs} must be in [1, {len(knowledge.retriever.store)}] (the passages)"
+            )
+        retriever = knowledge.for_n_docs(n_docs)
+        fast = self.fast_compile
+        programs = (
+            _generate_program(self.rag_cfg, variant, num_beams, n_docs, decoding, fast),
+            _score_program(self.rag_cfg, variant, n_docs, fast),
+        )
+        out = []
+        for start in range(0, len(questions), BATCH_BUCKETS[-1]):
+            batch = questions[start : start + BATCH_BUCKETS[-1]]
+            out += self._answer_batch(batch, retriever, programs, variant)
+        return out
+
+    def _answer_batch(self, questions, retriever: Retriever, programs, variant) -> list[Answer]:
+        count, q_tok, g_tok = len(questions), self.question_tokenizer, self.generator_tokenizer
+        size = next(b for b in BATCH_BUCKETS if b >= count)
+        length = self.settings.question_length
+        fields = question_tokens(q_tok, questions, length)
+        full = q_tok(questions, truncation=False, verbose=False)["input_ids"]
+        q_ids = _pad_rows(fields["question_input_ids"], size)  # -> [size, Q]
+        q_mask = _pad_rows(fields["question_attention_mask"], size)
+        embed_fn = _embed_program(self.rag_cfg, self.fast_compile)
+        vectors = np.asarray(embed_fn(self._params, q_ids, q_mask))[:count]
+        hits = retriever(vectors, retriever.store.tokenize_questions(g_tok, questions))
+        width = context_width(
+            hits.context_attention_mask,
+            retriever.max_combined_length,
+            self.settings.context_pad_multiple,
+        )
+        n_docs = retriever.n_docs
+        shape = (count, n_docs, width)
+        ctx = _pad_rows(hits.context_input_ids[:, :width].reshape(shape), size)  # -> [size, N, W]
+        ctx_mask = _pad_rows(hits.context_attention_mask[:, :width].reshape(shape), size)
+        doc_vectors = _pad_rows(hits.doc_vectors, size)  # -> [size, N, D]
+        ctx, ctx_mask = (a.reshape(size * n_docs, width) for a in (ctx, ctx_mask))
+        generate_fn, score_fn = programs
+        args = (self._params, q_ids, q_mask, doc_vectors, ctx, ctx_mask)
+        tokens, scores = generate_fn(*args)  # -> [size, L], [size, N]
+        outputs = score_fn(self._params, scores, ctx, ctx_mask, tokens)
+        tokens, scores, (loglik, prior, posterior, per_token) = jax.device_get(
+            (tokens, scores, outputs)
+        )
+        texts = [a.strip() for a in g_tok.batch_decode(tokens[:count], skip_special_tokens=True)]
+        store = retriever.store
+        special = set(g_tok.all_special_ids) | {
+            self.rag_cfg.pad_token_id,
+            self.rag_cfg.generator.eos_token_id,
+            self.rag_cfg.generator.decoder_start_token_id,
+        }
+        answers = []
+        for b in range(count):
+            rows = [int(j) for j in hits.doc_ids[b]]
+            passages = tuple(
+                RetrievedPassage(
+                    id=store.ids[row],
+                    title=store.title(row),
+                    text=store.text(row),
+                    score=float(scores[b, n]),
+                    prior=float(prior[b, n]),
+                    posterior=float(posterior[b, n]),
+                )
+                for n, row in enumerate(rows)
+            )
+            sources = None
+            if variant == "token":  # position t of `per_token` is the token tokens[b, t + 1]
+                sources = tuple(
+                    TokenSource(
+                        token=g_tok.convert_ids_to_tokens(int(tokens[b, t + 1])),
+                        token_id=int(tokens[b, t + 1]),
+                        posteriors=tuple(float(p) for p in per_token[b, t]),
+                    )
+                    for t in range(tokens.shape[1] - 1)
+                    if int(tokens[b, t + 1]) not in special
+                )
+            answers.append(
+                Answer(
+                    question=questions[b],
+                    answer=texts[b],
+                    log_likelihood=float(loglik[b]),
+                    truncated=len(full[b]) > length,
+                    variant=variant,
+                    passages=passages,
+                    tokens=sources,
+                )
+            )
+        return answers
+
+    # -----------------------------------------------------------------------------------------
+    # Editing the knowledge
+
+    def edit(self, upserts: Iterable[Passage] = (), deletes: Iterable[str] = ()) -> dict:
+        """Adds, replaces and deletes passages; the parameters are untouched.
+
+        Upserted passages replace the passage of the same id in place, or are appended; only
+        they are encoded (with the bundle's passage encoder), the other passages keep their
+        vectors. The store is rebuilt and the exact index updated with the new rows (a ScaNN
+        searcher is rebuilt from the vectors), then the bundle's folder is replaced in one
+        atomic swap: a crash before it leaves the previous bundle whole. Answers started before
+        the swap finish on the previous passages; those started after see the new ones.
+
+        Args:
+          upserts: `Passage(id, title, text)` records (or (id, title, text) triples); each text
+            non-empty, each id at most once.
+          deletes: ids of passages to remove; each must exist.
+
+        Returns:
+          {"encoded", "kept", "deleted", "count", "corpus_checksum"}.
+
+        Raises:
+          ValueError: naming the record or id at fault (nothing is written then).
+        """
+        if self.directory is None:
+            raise ValueError("this bundle has no folder to write the edit to; save() it first")
+        with self._edit_lock:
+            knowledge = self._knowledge
+            store, old_vectors = knowledge.retriever.store, knowledge.retriever.vectors
+            changed, gone = _check_edit(upserts, deletes, store)
+            passages, kept, encoded = [], [], []  # kept: (new row, old row)
+            for i in range(len(store)):
+                pid = store.ids[i]
+                if pid in gone:
+                    continue
+                if pid in changed:
+                    encoded.append(len(passages))
+                    passages.append(changed.pop(pid))
+                else:
+                    kept.append((len(passages), i))
+                    passages.append(store.passage(i))
+            for passage in changed.values():  # new ids, in the order given
+                encoded.append(len(passages))
+                passages.append(passage)
+            if len(passages) < self.rag_cfg.n_docs:
+                raise ValueError(
+                    f"the edit leaves {len(passages)} passages, fewer than n_docs="
+                    f"{self.rag_cfg.n_docs}"
+                )
+            vectors = np.empty((len(passages), old_vectors.shape[1]), np.float32)
+            if kept:
+                new_rows, old_rows = (np.asarray(x) for x in zip(*kept))
+                vectors[new_rows] = old_vectors[old_rows]
+            if encoded:
+                vectors[encoded] = _encode(self.encoder, [passages[i] for i in encoded])
+            checksum = corpus_checksum(passages)
+            old_dir = self.directory
+
+            layout = {k: store.manifest[k] for k in ("prefix", "title_sep", "doc_sep")}
+
+            def write_fn(tmp):
+                tmp = pathlib.Path(tmp)
+                for part in ("config.json", "params", "tokenizers"):  # unchanged: hard links
+                    bundle_format.link_tree(old_dir / part, tmp / part)
+                built = PassageStore.build(
+                    passages, self.generator_tokenizer, tmp / "passages", **layout
+                )
+                if built.checksum != checksum:  # both hash the same records: never differs
+                    raise RuntimeError(f"store checksum {built.checksum} != {checksum}")
+                bundle_format.write_index(tmp, self.fingerprint, checksum, vectors, self.settings)
+                bundle_format.share_modes(tmp)
+
+            manifest = dict(knowledge.manifest, corpus_checksum=checksum, count=len(passages))
+            files.swap_dir(old_dir, write_fn, manifest, what="bundle")
+            retriever = bundle_format.open_retriever(
+                old_dir, manifest, self.settings, self.rag_cfg, vectors
+            )
+            self._knowledge = _Knowledge(retriever, manifest)
+        return {
+            "encoded": len(encoded),
+            "kept": len(kept),
+            "deleted": len(gone),
+            "count": len(passages),
+            "corpus_checksum": checksum,
+        }
+
+
+# ---------------------------------------------------------------------------------------------
+# The jitted programs, one per model and answering setting (a batch bucket or context width is
+# a shape: jit compiles it once)
+
+_TRACES: collections.Counter = collections.Counter()  # RagConfig -> traces of its programs
+_TRACES_LOCK = threading.Lock()
+
+
+def _count_trace(cfg: rag.RagConfig) -> None:
+    with _TRACES_LOCK:
+        _TRACES[cfg] += 1
+
+
+def _jit(fn, fast_compile: bool):
+    # XLA's backend at optimisation level 0 compiles about twice as fast (the first answer of a
+    # fresh process) and runs the small fused loops between library kernels somewhat slower.
+    return jax.jit(fn, compiler_options=_FAST_COMPILE if fast_compile else None)
+
+
+_FAST_COMPILE = {"xla_backend_optimization_level": 0}
+
+
+@functools.cache
+def _embed_program(cfg: rag.RagConfig, fast_compile: bool):
+    """jit: (params, q_ids [B, Q], q_mask [B, Q]) -> [B, D] question vectors."""
+
+    def embed(params, q_ids, q_mask):
+        _count_trace(cfg)
+        return rag.question_embeddings(cfg, params, q_ids, q_mask)
+
+    return _jit(embed, fast_compile)
+
+
+@functools.cache
+def _generate_program(cfg, variant: str, num_beams: int, n_docs: int, decoding, fast_compile):
+    """jit: (params, q_ids [B, Q], q_mask, doc_vectors [B, N, D], contexts [B * N, W] and their
+    mask) -> (tokens [B, L], doc scores [B, N]), generated as the evaluation generates
+    (`evaluation._generate_fn`)."""
+    run_cfg = cfg.replace(n_docs=n_docs)
+
+    def generate(params, q_ids, q_mask, doc_vectors, ctx, ctx_mask):
+        _count_trace(cfg)
+        q = rag.question_embeddings(run_cfg, params, q_ids, q_mask)
+        scores = rag_math.doc_scores(q, doc_vectors, cfg.doc_score_scale)  # -> [B, N]
+        tokens = rag.generate(
+            run_cfg,
+            params,
+            ctx,
+            ctx_mask,
+            scores,
+            variant=variant,
+            sequence_decoding=decoding,
+            num_beams=num_beams,
+        )
+        return tokens, scores
+
+    return _jit(generate, fast_compile)
+
+
+@functools.cache
+def _score_program(cfg: rag.RagConfig, variant: str, n_docs: int, fast_compile: bool):
+    """jit: (params, doc scores [B, N], contexts [B * N, W] and their mask, tokens [B, L]) ->
+    (log p(y|x) [B], prior [B, N], posterior [B, N], token posteriors [B, L, N])."""
+    run_cfg = cfg.replace(n_docs=n_docs)
+    ids = dict(pad_token_id=cfg.pad_token_id, n_docs=n_docs)
+
+    def score(params, scores, ctx, ctx_mask, tokens):
+        _count_trace(cfg)
+        logits = rag.generator_logits(run_cfg, params, ctx, ctx_mask, tokens)
+        if variant == "sequence":
+            nll = rag_math.rag_sequence_nll(
+                logits, scores, tokens, bos_token_id=cfg.bos_token_id, **ids
+            )
+        else:
+            nll = rag_math.rag_token_nll(logits, scores, tokens, **ids)
+        posterior, per_token = rag_math.doc_posteriors(logits, scores, tokens, **ids)
+        return -nll, jax.nn.softmax(scores, axis=-1), posterior, per_token
+
+    return _jit(score, fast_compile)
+
+
+# ---------------------------------------------------------------------------------------------
+# Saving, loading, editing
+
+
+def save(directory, exp, params: dict, *, retriever=None, step: int | None = None) -> Bundle:
+    """Writes the bundle of a run (`Bundle.from_experiment`) to `directory`; returns it."""
+    bundle = Bundle.from_experiment(exp, params, retriever, step)
+    bundle.save(directory)
+    return bundle
+
+
+def load(directory, *, verify: bool = True, fast_compile: bool = False) -> Bundle:
+    """Opens the bundle in `directory`, checked whole (`bundle_format.read`).
+
+    Args:
+      directory: written by `save` (or `Bundle.save`).
+      verify: check every file's sha256 (sizes are always checked).
+      fast_compile: see `Bundle` (scripts answering a few questions once set it).
+
+    Raises:
+      FileNotFoundError / ValueError naming the file that is missing, damaged or inconsistent.
+    """
+    p = bundle_format.read(directory, verify=verify)
+    return Bundle(
+        p.rag_cfg,
+        p.encoder,
+        p.params,
+        p.question_tokenizer,
+        p.generator_tokenizer,
+        p.retriever,
+        p.settings,
+        directory=directory,
+        manifest=p.manifest,
+        fast_compile=fast_compile,
+    )
+
+
+def _encode(encoder: PassageEncoder, passages: list[Passage]) -> np.ndarray:
+    """[n, D] float32 vectors of `passages`, read as `encode_store` reads a store's."""
+    return encode.encode_passages(
+        encoder.cfg,
+        encoder.params,
+        encoder.tokenizer,
+        [p.title for p in passages],
+        [p.text for p in passages],
+        max_length=encoder.max_length,
+        input_format=encoder.input_format,
+        batch_size=encoder.batch_size,
+        dtype="float32",
+        mesh=sharding.data_mesh(jax.local_devices()),
+    )
+
+
+def _check_edit(upserts, deletes, store: PassageStore) -> tuple[dict, set]:
+    """({id: Passage} to write, {id} to delete), or ValueError naming the record or id."""
+    changed = {}
+    for i, record in enumerate(upserts):
+        if hasattr(record, "text") and not isinstance(record, tuple):  # e.g. synthetic.Passage
+            record = (record.id, record.title, record.text)
+        passage = check_record(tuple(record) if isinstance(record, list) else record, i)
+        if not passage.text.strip():
+            raise ValueError(f"upserts[{i}] (id {passage.id!r}): the passage has no text")
+        if passage.id in changed:
+            raise ValueError(f"upserts[{i}]: id {passage.id!r} is upserted twice")
+        changed[passage.id] = passage
+    gone = set()
+    for i, pid in enumerate(deletes):
+        if not isinstance(pid, str):
+            raise ValueError(f"deletes[{i}]: expected a passage id string, got {pid!r:.80}")
+        gone.add(pid)
+    both = sorted(gone & set(changed))
+    if both:
+        raise ValueError(f"ids both upserted and deleted: {both[:5]}")
+    missing = gone - {store.ids[i] for i in range(len(store))} if gone else set()
+    if missing:
+        raise ValueError(
+            f"cannot delete ids that are not in the bundle's passages: {sorted(missing)[:5]}"
+        )
+    return changed, gone
+
+
+def enable_compilation_cache(directory=None) -> str:
+    """Keeps the programs a process compiles on disk (JAX's persistent compilation cache), so
+    the next start of a script answering from a bundle loads them instead of compiling.
+
+    Args:
+      directory: default `$RAG_JAX_COMPILATION_CACHE`, else `~/.cache/rag_jax/jax`.
+
+    Returns:
+      The directory.
+    """
+    directory = directory or os.environ.get("RAG_JAX_COMPILATION_CACHE")
+    directory = str(directory or pathlib.Path.home() / ".cache" / "rag_jax" / "jax")
+    jax.config.update("jax_compilation_cache_dir", directory)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    return directory
+
+
+def _pad_rows(array: np.ndarray, size: int) -> np.ndarray:
+    """`array` [B, ...] with rows repeating row 0 up to `size` (padding rows, dropped after)."""
+    pad = size - len(array)
+    return np.concatenate([array, np.repeat(array[:1], pad, axis=0)]) if pad else array
