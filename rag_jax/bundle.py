@@ -268,7 +268,19 @@ class Bundle:
 
     def to_hf(self, directory, variant: str | None = None) -> dict:
         """Exports to transformers' format (`hf_export.save_rag`, with the passages and a faiss
-        index of their vectors); returns its summary."""
+        index of their vectors); returns its summary.
+
+        Raises:
+          hf_export.ExportError: the model has no HF equivalent, e.g. contexts that keep the
+            question (HF's `RagRetriever` puts it last and cuts a long context's end, question
+            included).
+        """
+        if self.settings.keep_question:
+            raise hf_export.ExportError(
+                "the bundle's contexts keep the question when a passage is too long "
+                "(rag.keep_question); HF's RagRetriever cuts the end, question included, so this "
+                "model has no HF equivalent"
+            )
         r = self._knowledge.retriever
         return hf_export.save_rag(
             directory,

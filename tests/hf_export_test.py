@@ -1,5 +1,6 @@
 """Export to transformers: HF checkpoints round-trip exactly, and the refusals name the reason."""
 
+import copy
 import dataclasses
 import functools
 import json
@@ -248,3 +249,12 @@ def test_a_trained_model_exported_to_hf_beam_searches_as_rag_jax(exported, varia
     """4 beams; RAG-Sequence thorough decoding with HF's unmasked candidates."""
     got, want = _generate_both(exported, variant, num_beams=4)
     _assert_same_tokens(got, want, exported.cfg.pad_token_id, f"{variant}, 4 beams")
+
+
+def test_a_bundle_whose_contexts_keep_the_question_is_refused(exported, tmp_path):
+    """HF's RagRetriever cuts a long context's end, question included: no HF equivalent."""
+    kept = copy.copy(exported.model)
+    kept.settings = dataclasses.replace(kept.settings, keep_question=True)
+    with pytest.raises(hf.ExportError, match=r"keep the question.*no HF equivalent"):
+        kept.to_hf(tmp_path / "kept")
+    assert not (tmp_path / "kept").exists()

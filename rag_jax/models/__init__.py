@@ -1,0 +1,1 @@
+"""The towers: BERT/DPR encoders, BART, and BART warm-started from BERT."""

@@ -1,0 +1,1 @@
+"""Passages, their vectors and indexes, and the retriever that joins them."""

@@ -1,0 +1,1 @@
+"""The trainer: its loop, step, batches, warm starts and inputs."""
