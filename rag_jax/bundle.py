@@ -23,6 +23,7 @@ D vector width, C corpus size.
 """
 
 import collections
+import copy
 import dataclasses
 import functools
 import os
@@ -162,6 +163,9 @@ class Bundle:
         self._knowledge = _Knowledge(retriever, manifest)
         self.fast_compile = fast_compile
         self._edit_lock = threading.Lock()  # one edit at a time
+        # A fast tokenizer keeps truncation and padding as state between calls, so one shared by
+        # an edit and a concurrent answer can tokenise either wrongly: edits use their own copies.
+        self._edit_tokenizers = None  # (generator tokenizer, passage encoder), made by `edit`
 
     # -----------------------------------------------------------------------------------------
     # What it holds
@@ -474,6 +478,12 @@ class Bundle:
         if self.directory is None:
             raise ValueError("this bundle has no folder to write the edit to; save() it first")
         with self._edit_lock:
+            if self._edit_tokenizers is None:
+                encoder = dataclasses.replace(
+                    self.encoder, tokenizer=copy.deepcopy(self.encoder.tokenizer)
+                )
+                self._edit_tokenizers = (copy.deepcopy(self.generator_tokenizer), encoder)
+            generator_tokenizer, encoder = self._edit_tokenizers
             knowledge = self._knowledge
             store, old_vectors = knowledge.retriever.store, knowledge.retriever.vectors
             changed, gone = _check_edit(upserts, deletes, store)
@@ -501,7 +511,7 @@ class Bundle:
                 new_rows, old_rows = (np.asarray(x) for x in zip(*kept))
                 vectors[new_rows] = old_vectors[old_rows]
             if encoded:
-                vectors[encoded] = _encode(self.encoder, [passages[i] for i in encoded])
+                vectors[encoded] = _encode(encoder, [passages[i] for i in encoded])
             checksum = corpus_checksum(passages)
             old_dir = self.directory
 
@@ -512,7 +522,7 @@ class Bundle:
                 for part in ("config.json", "params", "tokenizers"):  # unchanged: hard links
                     bundle_format.link_tree(old_dir / part, tmp / part)
                 built = PassageStore.build(
-                    passages, self.generator_tokenizer, tmp / "passages", **layout
+                    passages, generator_tokenizer, tmp / "passages", **layout
                 )
                 if built.checksum != checksum:  # both hash the same records: never differs
                     raise RuntimeError(f"store checksum {built.checksum} != {checksum}")
