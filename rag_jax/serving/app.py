@@ -164,6 +164,30 @@ class _State:
         return batching.Setting(request.variant or d.variant, beams, n_docs)
 
 
+class _Count:
+    """Counts each HTTP request by route and status (a plain ASGI middleware: Starlette's
+    `BaseHTTPMiddleware` costs a task and a stream per request)."""
+
+    def __init__(self, app, metrics: metrics.Metrics):
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        start, status = time.monotonic(), [500]
+
+        async def send_status(message):
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_status)
+        finally:
+            path = getattr(scope.get("route"), "path", "other")  # set by the router
+            self.metrics.request(path, status[0], time.monotonic() - start)
+
+
 def make_app(model: bundle.Bundle, config: ServerConfig, *, warm_up: bool = True):
     """The FastAPI app serving `model` (see the module docstring); compiles in the background
     when `warm_up` (else it is ready at once)."""
@@ -207,14 +231,7 @@ def make_app(model: bundle.Bundle, config: ServerConfig, *, warm_up: bool = True
         log.exception("%s %s failed", request.method, request.url.path)
         return _error(500, f"internal error ({type(e).__name__}); see the server's log")
 
-    @app.middleware("http")
-    async def count(request: fastapi.Request, call_next):
-        start = time.monotonic()
-        response = await call_next(request)
-        route = request.scope.get("route")
-        path = getattr(route, "path", "other")
-        state.metrics.request(path, response.status_code, time.monotonic() - start)
-        return response
+    app.add_middleware(_Count, metrics=state.metrics)
 
     @app.post("/v1/answer")
     async def answer(request: AnswerRequest):
@@ -228,11 +245,12 @@ def make_app(model: bundle.Bundle, config: ServerConfig, *, warm_up: bool = True
             answers = await asyncio.wrap_future(future)
         except ValueError as e:  # e.g. an edit left fewer passages than n_docs
             raise ApiError(422, str(e)) from e
-        return {
+        body = {
             "answers": [a.to_dict() for a in answers],
             "setting": dataclasses.asdict(setting),
             "question_token_limit": model.settings.question_length,
         }
+        return responses.JSONResponse(body)  # plain data: no jsonable_encoder pass
 
     @app.get("/v1/passages/{passage_id:path}")
     async def get_passage(passage_id: str):

@@ -106,10 +106,10 @@ async function ask(request) {
   $("status").className = "muted";
   $("status").textContent = "asking…";
   try {
-    const t0 = performance.now();
     const data = await api("POST", "/v1/answer", request);
     draw(data.answers[0]);
-    $("status").textContent = `answered in ${(performance.now() - t0).toFixed(0)} ms`;
+    const s = data.setting;
+    $("status").textContent = `answered: ${s.n_docs} passages, ${s.num_beams} beam(s)`;
     document.body.dataset.state = "answered";
   } catch (e) {
     $("status").textContent = e.message;
