@@ -123,6 +123,11 @@ class Batcher:
 
     def _run(self) -> None:
         while (batch := self._next_batch()) is not None:
+            # A request whose client went away was cancelled: drop it. The others can no longer
+            # be cancelled, so setting their results below cannot fail.
+            batch = [r for r in batch if r.future.set_running_or_notify_cancel()]
+            if not batch:
+                continue
             questions = [q for r in batch for q in r.questions]
             start = time.monotonic()
             try:

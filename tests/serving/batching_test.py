@@ -82,3 +82,20 @@ def test_a_failed_call_fails_its_requests_and_the_batcher_keeps_serving():
     batcher.close()
     with pytest.raises(RuntimeError, match="closed"):
         batcher.submit(TOKEN, ["late"])
+
+
+def test_a_cancelled_request_is_dropped_and_the_others_are_answered():
+    """A client that goes away cancels its request (asyncio.wrap_future does): the worker drops
+    it instead of failing to set its result."""
+    model = _Model()
+    model.release.clear()
+    batcher = Batcher(model, max_batch=8, max_wait_s=0.0)
+    held = batcher.submit(TOKEN, ["held"])
+    time.sleep(0.1)
+    gone, kept = batcher.submit(TOKEN, ["gone"]), batcher.submit(TOKEN, ["kept"])
+    assert gone.cancel()
+    model.release.set()
+    assert held.result(5) == [("held", TOKEN)] and kept.result(5) == [("kept", TOKEN)]
+    assert [qs for qs, _ in model.calls] == [("held",), ("kept",)]
+    assert batcher.submit(TOKEN, ["later"]).result(5) == [("later", TOKEN)]
+    batcher.close()
