@@ -247,6 +247,9 @@ def test_edits_answer_403_without_allow_edits(servers):
     got = httpx.get(f"{url}/v1/passages/{pid}").json()
     assert got == {"id": pid, "title": reference.store.title(0), "text": reference.store.text(0)}
     assert httpx.get(f"{url}/v1/info").json()["allow_edits"] is False
+    paths = httpx.get(f"{url}/openapi.json").json()["paths"]  # the API describes itself
+    assert {"/v1/answer", "/v1/passages/{passage_id}", "/healthz", "/metrics"} <= set(paths)
+    assert set(paths["/v1/passages/{passage_id}"]) == {"get", "put", "delete"}
 
 
 # ---------------------------------------------------------------------------------------------
