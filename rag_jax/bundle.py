@@ -23,6 +23,7 @@ D vector width, C corpus size.
 """
 
 import collections
+import copy
 import dataclasses
 import functools
 import os
@@ -162,6 +163,9 @@ class Bundle:
         self._knowledge = _Knowledge(retriever, manifest)
         self.fast_compile = fast_compile
         self._edit_lock = threading.Lock()  # one edit at a time
+        # A fast tokenizer keeps truncation and padding as state between calls, so one shared by
+        # an edit and a concurrent answer can tokenise either wrongly: edits use their own copies.
+        self._edit_tokenizers = None  # (generator tokenizer, passage encoder), made by `edit`
 
     # -----------------------------------------------------------------------------------------
     # What it holds
@@ -329,6 +333,16 @@ class Bundle:
             raise ValueError(f"variant must be 'sequence' or 'token', got {variant!r}")
         if decoding not in ("thorough", "fast"):
             raise ValueError(f"sequence_decoding must be 'thorough' or 'fast', got {decoding!r}")
+        retriever, programs = self._setting(variant, num_beams, n_docs, decoding)
+        out = []
+        for start in range(0, len(questions), BATCH_BUCKETS[-1]):
+            batch = questions[start : start + BATCH_BUCKETS[-1]]
+            out += self._answer_batch(batch, retriever, programs, variant)
+        return out
+
+    def _setting(self, variant, num_beams, n_docs, decoding) -> tuple[Retriever, tuple]:
+        """(the retriever of one knowledge snapshot for `n_docs`, its generate and score
+        programs); `num_beams` and `n_docs` None: the config's."""
         num_beams = num_beams or self.rag_cfg.generation.num_beams
         knowledge = self._knowledge  # one snapshot for the whole call, whatever `edit` does
         n_docs = n_docs or self.rag_cfg.n_docs
@@ -336,19 +350,46 @@ class Bundle:
             raise ValueError(
                 f"n_docs={n_docs} must be in [1, {len(knowledge.retriever.store)}] (the passages)"
             )
-        retriever = knowledge.for_n_docs(n_docs)
         fast = self.fast_compile
         programs = (
             _generate_program(self.rag_cfg, variant, num_beams, n_docs, decoding, fast),
             _score_program(self.rag_cfg, variant, n_docs, fast),
         )
-        out = []
-        for start in range(0, len(questions), BATCH_BUCKETS[-1]):
-            batch = questions[start : start + BATCH_BUCKETS[-1]]
-            out += self._answer_batch(batch, retriever, programs, variant)
-        return out
+        return knowledge.for_n_docs(n_docs), programs
 
-    def _answer_batch(self, questions, retriever: Retriever, programs, variant) -> list[Answer]:
+    def compile(
+        self,
+        max_batch: int = BATCH_BUCKETS[-1],
+        *,
+        variant: str | None = None,
+        num_beams: int | None = None,
+        n_docs: int | None = None,
+    ) -> int:
+        """Compiles the answering programs of one setting for every batch bucket up to
+        `max_batch` and every context width, so that later answers of that setting never
+        compile (a server calls it before it reports ready). Arguments as `answer`'s.
+
+        Returns:
+          How many (bucket, width) shapes were run.
+        """
+        variant = variant or self.settings.variant
+        retriever, programs = self._setting(
+            variant, num_beams, n_docs, self.settings.sequence_decoding
+        )
+        multiple, length = self.settings.context_pad_multiple, retriever.max_combined_length
+        # The widths `context_width` rounds to: multiples of `multiple`, capped at the length.
+        steps = range(multiple, length + multiple, multiple) if multiple else (length,)
+        widths = sorted({min(w, length) for w in steps})
+        top = next((b for b in BATCH_BUCKETS if b >= max_batch), BATCH_BUCKETS[-1])
+        sizes = [b for b in BATCH_BUCKETS if b <= top]
+        for size in sizes:
+            for width in widths:
+                self._answer_batch(["?"] * size, retriever, programs, variant, width=width)
+        return len(sizes) * len(widths)
+
+    def _answer_batch(
+        self, questions, retriever: Retriever, programs, variant, width: int | None = None
+    ) -> list[Answer]:
         count, q_tok, g_tok = len(questions), self.question_tokenizer, self.generator_tokenizer
         size = next(b for b in BATCH_BUCKETS if b >= count)
         length = self.settings.question_length
@@ -359,7 +400,7 @@ class Bundle:
         embed_fn = _embed_program(self.rag_cfg, self.fast_compile)
         vectors = np.asarray(embed_fn(self._params, q_ids, q_mask))[:count]
         hits = retriever(vectors, retriever.store.tokenize_questions(g_tok, questions))
-        width = context_width(
+        width = width or context_width(
             hits.context_attention_mask,
             retriever.max_combined_length,
             self.settings.context_pad_multiple,
@@ -449,6 +490,12 @@ class Bundle:
         if self.directory is None:
             raise ValueError("this bundle has no folder to write the edit to; save() it first")
         with self._edit_lock:
+            if self._edit_tokenizers is None:
+                encoder = dataclasses.replace(
+                    self.encoder, tokenizer=copy.deepcopy(self.encoder.tokenizer)
+                )
+                self._edit_tokenizers = (copy.deepcopy(self.generator_tokenizer), encoder)
+            generator_tokenizer, encoder = self._edit_tokenizers
             knowledge = self._knowledge
             store, old_vectors = knowledge.retriever.store, knowledge.retriever.vectors
             changed, gone = _check_edit(upserts, deletes, store)
@@ -476,7 +523,7 @@ class Bundle:
                 new_rows, old_rows = (np.asarray(x) for x in zip(*kept))
                 vectors[new_rows] = old_vectors[old_rows]
             if encoded:
-                vectors[encoded] = _encode(self.encoder, [passages[i] for i in encoded])
+                vectors[encoded] = _encode(encoder, [passages[i] for i in encoded])
             checksum = corpus_checksum(passages)
             old_dir = self.directory
 
@@ -487,7 +534,7 @@ class Bundle:
                 for part in ("config.json", "params", "tokenizers"):  # unchanged: hard links
                     bundle_format.link_tree(old_dir / part, tmp / part)
                 built = PassageStore.build(
-                    passages, self.generator_tokenizer, tmp / "passages", **layout
+                    passages, generator_tokenizer, tmp / "passages", **layout
                 )
                 if built.checksum != checksum:  # both hash the same records: never differs
                     raise RuntimeError(f"store checksum {built.checksum} != {checksum}")

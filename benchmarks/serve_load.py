@@ -1,0 +1,250 @@
+r"""Load on the server: rag_jax's `experiments/serve.py` against transformers served the usual way.
+
+    python benchmarks/serve_load.py --bundle /tmp/rag_default/bundle     # ~3 min on 2 CPU cores
+
+Both servers run on 127.0.0.1 in subprocesses of this one run, over the same model: ours serves
+the bundle (dynamic batching, programs compiled before ready); the baseline serves its HF export
+(`Bundle.to_hf`: `Rag*ForGeneration`, `RagRetriever` over the same passages and an exact faiss
+index of the same vectors) with a minimal FastAPI app that answers each request with one
+`generate` call under a lock, torch on as many threads as the machine has cores (XLA's CPU
+client uses them all). The same client, 16 concurrent connections, sends each `--requests`
+one-question requests (the run's held-out questions, in turn) after a warm-up; it reports
+requests/s, p50/p99 latency, errors, how often the two servers' answers agree, and from our
+server's /metrics the batch sizes and whether anything compiled under load. Writes
+`bench_results/serve_load.json`.
+
+`--hf_server DIR --port P` is the baseline server itself (started by the run).
+"""
+
+import argparse
+import asyncio
+import json
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import numpy as np
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+# ---------------------------------------------------------------------------------------------
+# The baseline: transformers, one generate call per request
+
+
+def hf_app(directory: str, threads: int):
+    """A FastAPI app answering POST /v1/answer {"questions": [q]} with HF's RAG (`generate`,
+    retrieval inside it) under a lock: how transformers' RAG is served without a batcher."""
+    import fastapi
+    import torch
+    import transformers
+
+    torch.set_num_threads(threads)
+    config = json.loads((pathlib.Path(directory) / "config.json").read_text())
+    cls = getattr(transformers, config["architectures"][0])
+    retriever = transformers.RagRetriever.from_pretrained(
+        directory,
+        index_name="custom",
+        passages_path=config["passages_path"],
+        index_path=config["index_path"],
+    )
+    model = cls.from_pretrained(directory).eval()
+    model.set_retriever(retriever)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(
+        pathlib.Path(directory) / "question_encoder_tokenizer"
+    )
+    generator_tokenizer = transformers.AutoTokenizer.from_pretrained(
+        pathlib.Path(directory) / "generator_tokenizer"
+    )
+    lock = threading.Lock()
+    app = fastapi.FastAPI()
+
+    @app.post("/v1/answer")
+    def answer(body: dict):
+        questions = body["questions"]
+        x = tokenizer(questions, return_tensors="pt", padding=True)
+        with lock, torch.no_grad():
+            out = model.generate(input_ids=x["input_ids"], attention_mask=x["attention_mask"])
+        texts = generator_tokenizer.batch_decode(out, skip_special_tokens=True)
+        return {"answers": [{"question": q, "answer": t.strip()} for q, t in zip(questions, texts)]}
+
+    @app.get("/healthz")
+    def healthz():
+        return {"ready": True}
+
+    return app
+
+
+# ---------------------------------------------------------------------------------------------
+# The load
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start(args: list[str], log: pathlib.Path) -> tuple[subprocess.Popen, str]:
+    port = _free_port()
+    env = dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu")
+    with open(log, "w") as out:
+        process = subprocess.Popen(
+            [sys.executable, *args, "--port", str(port)],
+            cwd=REPO,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    return process, f"http://127.0.0.1:{port}"
+
+
+def _wait_ready(process, url: str, log: pathlib.Path, timeout: float = 900.0) -> float:
+    import httpx
+
+    start = time.monotonic()
+    while time.monotonic() - start < timeout:
+        if process.poll() is not None:
+            raise RuntimeError(f"{url} exited:\n{log.read_text()[-3000:]}")
+        try:
+            if httpx.get(f"{url}/healthz", timeout=2).status_code == 200:
+                return time.monotonic() - start
+        except httpx.TransportError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"{url} not ready after {timeout} s")
+
+
+async def _load(url: str, questions: list[str], requests: int, clients: int) -> dict:
+    """`requests` one-question POSTs from `clients` concurrent connections."""
+    import httpx
+
+    latencies, answers, errors = [], {}, []
+    next_request = iter(range(requests))
+
+    async def client(http):
+        for i in next_request:
+            q = questions[i % len(questions)]
+            start = time.perf_counter()
+            try:
+                r = await http.post(f"{url}/v1/answer", json={"questions": [q]})
+                if r.status_code != 200:
+                    errors.append(f"{r.status_code}: {r.text[:200]}")
+                    continue
+                answers[q] = r.json()["answers"][0]["answer"]
+            except httpx.HTTPError as e:
+                errors.append(repr(e))
+                continue
+            latencies.append(time.perf_counter() - start)
+
+    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
+    async with httpx.AsyncClient(timeout=120, limits=limits) as http:
+        start = time.perf_counter()
+        await asyncio.gather(*(client(http) for _ in range(clients)))
+        seconds = time.perf_counter() - start
+    ms = np.asarray(latencies) * 1e3
+    return {
+        "requests": requests,
+        "errors": len(errors),
+        "first_errors": errors[:3],
+        "seconds": round(seconds, 2),
+        "requests_per_s": round(len(latencies) / seconds, 1),
+        "p50_ms": round(float(np.percentile(ms, 50)), 1) if ms.size else None,
+        "p99_ms": round(float(np.percentile(ms, 99)), 1) if ms.size else None,
+        "answers": answers,
+    }
+
+
+def _questions(bundle_dir: pathlib.Path, path: str | None) -> list[str]:
+    path = pathlib.Path(path) if path else bundle_dir.parent / "predictions.jsonl"
+    return [json.loads(line)["question"] for line in path.read_text().splitlines()]
+
+
+def run(args) -> dict:
+    import httpx
+
+    from rag_jax import bundle
+
+    bundle_dir = pathlib.Path(args.bundle)
+    questions = _questions(bundle_dir, args.questions)
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix="serve_load_"))
+    model = bundle.load(bundle_dir)
+    model.to_hf(tmp / "hf")
+    setting = {
+        "variant": model.settings.variant,
+        "num_beams": model.rag_cfg.generation.num_beams,
+        "n_docs": model.rag_cfg.n_docs,
+        "passages": len(model.store),
+    }
+    del model
+    servers = {
+        "rag_jax": [str(REPO / "experiments" / "serve.py"), "--bundle", str(bundle_dir)]
+        + [f"--max_batch={args.max_batch}", f"--max_wait_ms={args.max_wait_ms}"],
+        "transformers": [__file__, "--hf_server", str(tmp / "hf"), f"--threads={args.threads}"],
+    }
+    results = {"setting": setting, "clients": args.clients, "load_before": os.getloadavg()}
+    for name, command in servers.items():
+        log = tmp / f"{name}.log"
+        process, url = _start(command, log)
+        try:
+            ready_s = _wait_ready(process, url, log)
+            asyncio.run(_load(url, questions, args.warmup, args.clients))  # warm-up, untimed
+            before = httpx.get(f"{url}/metrics").json() if name == "rag_jax" else None
+            result = asyncio.run(_load(url, questions, args.requests, args.clients))
+            result["ready_s"] = round(ready_s, 1)
+            if before is not None:
+                after = httpx.get(f"{url}/metrics").json()
+                result["compiles_under_load"] = after["compiles"] - before["compiles"]
+                b0, b1 = before["batches"], after["batches"]
+                result["mean_batch"] = round(
+                    (b1["questions"] - b0["questions"]) / max(1, b1["count"] - b0["count"]), 2
+                )
+            results[name] = result
+        finally:
+            process.terminate()
+            process.wait(60)
+        print(name, {k: v for k, v in result.items() if k != "answers"}, flush=True)
+    ours, ref = results["rag_jax"], results["transformers"]
+    same = [q for q in ref["answers"] if ours["answers"].get(q) == ref["answers"][q]]
+    results["answers_agree"] = f"{len(same)}/{len(ref['answers'])}"
+    results["speedup"] = round(ours["requests_per_s"] / ref["requests_per_s"], 2)
+    results["load_after"] = os.getloadavg()
+    for name in servers:
+        del results[name]["answers"]
+    return results
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--bundle", default="/tmp/rag_default/bundle", help="a bundle folder")
+    parser.add_argument("--questions", default=None, help="JSONL with 'question' fields")
+    parser.add_argument("--requests", type=int, default=2000, help="timed requests per server")
+    parser.add_argument("--warmup", type=int, default=64, help="untimed requests first")
+    parser.add_argument("--clients", type=int, default=16, help="concurrent connections")
+    parser.add_argument("--max_batch", type=int, default=16, help="our server's --max_batch")
+    parser.add_argument("--max_wait_ms", type=float, default=3.0, help="our --max_wait_ms")
+    parser.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads")
+    parser.add_argument("--out", default="bench_results/serve_load.json")
+    parser.add_argument("--hf_server", default=None, help="(internal) serve this HF export")
+    parser.add_argument("--port", type=int, default=0, help="(internal) the HF server's port")
+    args = parser.parse_args(argv)
+    if args.hf_server:
+        import uvicorn
+
+        app = hf_app(args.hf_server, args.threads)
+        uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning")
+        return
+    results = run(args)
+    out = pathlib.Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2) + "\n")
+    print(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
