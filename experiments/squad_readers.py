@@ -40,7 +40,7 @@ _SPEC.loader.exec_module(squad_open)
 # name -> overrides of squad_open.py (the default is the config as it is).
 VARIANTS = {
     "default": {},
-    "enc3": {"model.generator_encoder_layers": 3},
+    "enc6": {"model.generator_encoder_layers": 6},
     "enc3_dec1": {"model.generator_encoder_layers": 3, "model.generator_decoder_layers": 1},
     "fresh_decoder": {"model.generator_decoder_init": "random"},
     "cross_copy": {"model.generator_decoder_init": "bert_cross"},

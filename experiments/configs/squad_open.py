@@ -16,7 +16,7 @@ contrastive loss), so p(z|x) is not flat over the top 5. The passage tower stays
 paper.
 
 Generator: BART warm-started from the same MiniLM (Rothe et al. 2020, `models/bert2bart.py`):
-its encoder is MiniLM's first layers, fixed (no backward through it); the decoder's
+its encoder is MiniLM's first 3 layers, fixed (no backward through it); the decoder's
 self-attention and feed-forward come from MiniLM's layers and its cross-attention is fresh; the LM
 head is the tied WordPiece embedding. Before joint training it learns to read on SQuAD *train*
 (question, gold paragraph) -> answer (`warm_start.reader_*`, cached by fingerprint and shared by
@@ -77,7 +77,8 @@ def get_config(variant: str = ""):
     config.model.pooling = "mean"
     config.model.normalize_embeddings = True
     config.model.generator_init = "bert"  # from question_encoder_path's MiniLM
-    config.model.generator_encoder_layers = 6
+    # MiniLM's first 3 of 6 layers: half the cost of a reader step (docs/training.md, Real data).
+    config.model.generator_encoder_layers = 3
     config.model.generator_decoder_layers = 2
     config.model.generator_decoder_init = "bert"
     config.model.generator_frozen_encoder_layers = -1  # all of them
