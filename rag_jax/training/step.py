@@ -43,6 +43,7 @@ def make_step(
     dropout_rng: jax.Array | None = None,
     metrics_fn: Callable | None = None,
     search_fn: Callable | None = None,
+    state_sharding: Any = None,
 ):
     """`step(state, batch, retrieval=None) -> (state, metrics)`, jitted, the state donated.
 
@@ -54,6 +55,9 @@ def make_step(
       metrics_fn: `(loss, aux, grads) -> metrics`; default `{"loss": loss}`.
       search_fn: `(params, retrieval) -> [B, N] ids`, run after the update with the new
         parameters; its result becomes `state.next_doc_ids` (the in-step search).
+      state_sharding: the state's placement (`sharding.state_sharding`), which the new state
+        keeps: with split parameters (fsdp) XLA then reduce-scatters the gradients and updates
+        each shard where it lives, instead of choosing a layout of its own.
     """
 
     def step(state: TrainState, batch, retrieval=None):
@@ -64,7 +68,10 @@ def make_step(
         params = optax.apply_updates(state.params, updates)
         metrics = {"loss": loss} if metrics_fn is None else metrics_fn(loss, aux, grads)
         next_ids = state.next_doc_ids if search_fn is None else search_fn(params, retrieval)
-        return TrainState(state.step + 1, params, opt_state, next_ids), metrics
+        new_state = TrainState(state.step + 1, params, opt_state, next_ids)
+        if state_sharding is not None:
+            new_state = jax.lax.with_sharding_constraint(new_state, state_sharding)
+        return new_state, metrics
 
     return jax.jit(step, donate_argnums=0)
 
@@ -107,10 +114,12 @@ def make_train_step(
     deterministic: bool,
     passage_cfg=None,
     search_n_docs: int = 0,
+    state_sharding=None,
 ):
     """The joint step `train_step(state, batch, retrieval=None) -> (state, metrics)`.
 
     `passage_cfg` is needed when batches carry passage tokens (a trainable passage encoder).
+    `state_sharding` is the state's placement, kept by the new state (`make_step`).
 
     With `search_n_docs` = N > 0 the step also retrieves for the next batch: `retrieval` is
     `(index, next_questions)`, a `DeviceIndex` on the step's mesh and the next batch's
@@ -141,6 +150,7 @@ def make_train_step(
         dropout_rng=None if deterministic else dropout_rng,
         metrics_fn=rag_metrics,
         search_fn=search_fn,
+        state_sharding=state_sharding,
     )
 
 
