@@ -106,6 +106,20 @@ def rag_metrics(loss, aux, grads) -> dict:
     }
 
 
+def joint_loss_fn(rag_cfg: rag.RagConfig, variant: str, passage_cfg=None) -> Callable:
+    """The joint step's `loss_fn(params, batch, rng) -> (loss, aux)` over a training batch."""
+
+    def loss_fn(params, batch, rng):
+        # Token leaves travel as [B, N, L] so every leaf shards over B; the loss takes [B * N, L].
+        flat = dict(batch)
+        for key in _PER_DOC_TOKENS:
+            if key in batch:
+                flat[key] = batch[key].reshape(-1, batch[key].shape[-1])  # -> [B * N, L]
+        return rag.loss_fn(rag_cfg, params, flat, variant, rng, passage_cfg)
+
+    return loss_fn
+
+
 def make_train_step(
     rag_cfg: rag.RagConfig,
     variant: str,
@@ -129,14 +143,7 @@ def make_train_step(
     host round trip; they are returned in `state.next_doc_ids`.
     """
 
-    def loss_fn(params, batch, rng):
-        # Token leaves travel as [B, N, L] so every leaf shards over B; the loss takes [B * N, L].
-        flat = dict(batch)
-        for key in _PER_DOC_TOKENS:
-            if key in batch:
-                flat[key] = batch[key].reshape(-1, batch[key].shape[-1])  # -> [B * N, L]
-        return rag.loss_fn(rag_cfg, params, flat, variant, rng, passage_cfg)
-
+    loss_fn = joint_loss_fn(rag_cfg, variant, passage_cfg)
     search_fn = None
     if search_n_docs:
 
