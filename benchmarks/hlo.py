@@ -178,6 +178,30 @@ def traffic(hlo_text: str) -> Traffic:
             return True
         return shape_bytes(inst.shape, _HOST_MEMORY_SPACE) > 0
 
+    def collective(inst: Instruction, shapes: dict, times: float) -> None:
+        kind = inst.opcode.removesuffix("-start")
+        if kind not in _COLLECTIVES:
+            return
+        results = inst.shape
+        if inst.opcode.endswith("-start") and inst.shape.startswith("("):
+            # (operands..., results...): the results are the trailing components
+            arrays = _ARRAY.findall(inst.shape)[len(inst.operands) :]
+            results = " ".join(f"{d}[{s}]{layout}" for d, s, layout in arrays)
+        for dtype, dims, layout in _ARRAY.findall(results):
+            size = shape_bytes(f"{dtype}[{dims}]{layout}", None) * times
+            out.collectives[kind] = out.collectives.get(kind, 0.0) + size
+            key = f"{kind} {dtype}"
+            out.collective_dtypes[key] = out.collective_dtypes.get(key, 0.0) + size
+
+    def fused(name: str, times: float, seen: tuple) -> None:
+        """Collectives inside a fusion (XLA fuses some into their consumers on TPU)."""
+        shapes = {i.name: i.shape for i in computations[name]}
+        for inst in computations[name]:
+            collective(inst, shapes, times)
+            callee = dict(_CALLED.findall(inst.attrs)).get("calls")
+            if callee in computations and callee not in seen:
+                fused(callee, times, (*seen, callee))
+
     def visit(name: str, times: float, seen: tuple) -> None:
         shapes = {i.name: i.shape for i in computations[name]}
         for inst in computations[name]:
@@ -199,6 +223,8 @@ def traffic(hlo_text: str) -> Traffic:
                         visit(branch, times, (*seen, branch))  # an upper bound: every branch
             elif inst.opcode == "call" and called.get("to_apply") not in (None, *seen):
                 visit(called["to_apply"], times, (*seen, called["to_apply"]))
+            elif inst.opcode == "fusion" and called.get("calls") in computations:
+                fused(called["calls"], times, (*seen, called["calls"]))
             if inst.opcode in _FREE or inst.opcode.endswith("-done"):
                 continue
             read = sum(shape_bytes(shapes.get(o, "")) for o in inst.operands)
@@ -211,18 +237,7 @@ def traffic(hlo_text: str) -> Traffic:
             op_name = op_name.group(1) if op_name else ""
             for table, key in ((out.by_scope, _scope(op_name)), (out.by_part, _part(op_name))):
                 table[key] = table.get(key, 0.0) + moved
-            kind = inst.opcode.removesuffix("-start")
-            if kind in _COLLECTIVES:
-                results = inst.shape
-                if inst.opcode.endswith("-start") and inst.shape.startswith("("):
-                    # (operands..., results...): the results are the trailing components
-                    arrays = _ARRAY.findall(inst.shape)[len(inst.operands) :]
-                    results = " ".join(f"{d}[{s}]{lay}" for d, s, lay in arrays)
-                for dtype, dims, layout in _ARRAY.findall(results):
-                    size = shape_bytes(f"{dtype}[{dims}]{layout}", None) * times
-                    out.collectives[kind] = out.collectives.get(kind, 0.0) + size
-                    key = f"{kind} {dtype}"
-                    out.collective_dtypes[key] = out.collective_dtypes.get(key, 0.0) + size
+            collective(inst, shapes, times)
 
     visit(entry, 1.0, (entry,))
     return out

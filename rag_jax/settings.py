@@ -474,6 +474,11 @@ def _check_sizes(config: ml_collections.ConfigDict) -> None:
     for key, value in counts:
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"config.{key} must be >= 0 (an integer), got {value!r}")
+    if config.retrieval.index_rows >= 2**31:  # passage ids are int32 in the step
+        raise ValueError(
+            f"config.retrieval.index_rows={config.retrieval.index_rows} but passage ids are "
+            f"int32: use at most {2**31 - 1}, or split the corpus"
+        )
 
 
 def _check_choices(config: ml_collections.ConfigDict) -> None:

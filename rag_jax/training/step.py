@@ -17,6 +17,7 @@ import flax
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import NamedSharding, PartitionSpec
 
 from rag_jax import rag
 
@@ -55,15 +56,34 @@ def make_step(
       metrics_fn: `(loss, aux, grads) -> metrics`; default `{"loss": loss}`.
       search_fn: `(params, retrieval) -> [B, N] ids`, run after the update with the new
         parameters; its result becomes `state.next_doc_ids` (the in-step search).
-      state_sharding: the state's placement (`sharding.state_sharding`), which the new state
-        keeps: with split parameters (fsdp) XLA then reduce-scatters the gradients and updates
-        each shard where it lives, instead of choosing a layout of its own.
+      state_sharding: the state's placement (`training.loop.state_sharding`), which the new
+        state keeps. With split parameters (`param_sharding="fsdp"`) the loss sees them
+        all-gathered (float32, once per step) and the gradients are summed back onto the
+        parameters' split, so each device updates its own shard of the parameters and the
+        optimizer state. Left to itself (compiled for TPU v5e, BART-large), XLA gathers each
+        weight again at every use, fuses the gathers into the matmuls, and needs more memory
+        than the replicated step (tpu/README.md).
     """
+    gathered = split = None
+    if state_sharding is not None:
+        split = state_sharding.params
+        leaves = jax.tree.leaves(split)
+        if not all(s.is_fully_replicated for s in leaves):
+            whole = NamedSharding(leaves[0].mesh, PartitionSpec())
+            gathered = jax.tree.map(lambda _: whole, split)
 
     def step(state: TrainState, batch, retrieval=None):
         rng = None if dropout_rng is None else jax.random.fold_in(dropout_rng, state.step)
         grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-        (loss, aux), grads = grad_fn(state.params, batch, rng)
+        params = state.params
+        if gathered is not None:
+            # One all-gather per step, kept for the forward and backward passes: without the
+            # barrier XLA re-gathers each weight at every use and holds the copies longer.
+            params = jax.lax.with_sharding_constraint(params, gathered)
+            params = jax.lax.optimization_barrier(params)
+        (loss, aux), grads = grad_fn(params, batch, rng)
+        if gathered is not None:
+            grads = jax.lax.with_sharding_constraint(grads, split)  # reduce-scatter
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         metrics = {"loss": loss} if metrics_fn is None else metrics_fn(loss, aux, grads)

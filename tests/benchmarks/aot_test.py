@@ -3,6 +3,8 @@ out-of-memory message, the largest-batch search, and the shapes it compiles for 
 models and batches, without weights or data)."""
 
 import math
+import pathlib
+import re
 
 import jax
 import numpy as np
@@ -87,6 +89,29 @@ def test_traffic_counts_fusion_boundaries_in_hbm_and_loops_by_trip_count():
     assert (
         hlo.traffic(PROGRAM.replace("xla_ffi_python_cpu_callback", "Sharding")).host_transfers == []
     )
+
+
+FUSED_GATHER = """HloModule m, is_scheduled=true
+
+%fused_gather (g0: bf16[64,128]) -> f32[256,128] {
+  %g0 = bf16[64,128]{1,0} parameter(0)
+  %ag = bf16[256,128]{1,0} all-gather(%g0), replica_groups={{0,1,2,3}}, dimensions={0}
+  ROOT %cv = f32[256,128]{1,0} convert(%ag)
+}
+
+ENTRY %main (g: bf16[64,128]) -> f32[256,128] {
+  %g = bf16[64,128]{1,0} parameter(0)
+  ROOT %f = f32[256,128]{1,0} fusion(%g), kind=kLoop, calls=%fused_gather
+}
+"""
+
+
+def test_traffic_counts_collectives_fused_into_their_consumers():
+    got = hlo.traffic(FUSED_GATHER)
+    gathered = 256 * 128 * 2
+    assert got.collectives == {"all-gather": gathered}
+    assert got.collective_dtypes == {"all-gather bf16": gathered}
+    assert got.hbm_bytes == 64 * 128 * 2 + F  # the fusion's boundary: the shard in, f32 out
 
 
 def test_shape_bytes_reads_dtypes_tuples_and_memory_spaces():
@@ -207,3 +232,21 @@ def test_missing_libtpu_says_what_to_install(monkeypatch):
 def test_unknown_topology_names_the_forms_it_takes():
     with pytest.raises(aot.PlanError, match=r"unknown TPU topology 'v9:2x2'.*v5e:2x4"):
         aot.target("v9:2x2")
+
+
+def test_the_tpu_extra_is_at_the_jax_pin():
+    root = pathlib.Path(__file__).resolve().parents[2]
+    pins = dict(
+        line.split("  #")[0].strip().split("==")
+        for line in (root / "requirements-ci.txt").read_text().splitlines()
+        if "==" in line and not line.startswith("#")
+    )
+    extra = re.search(r'"tpu": \["jax\[tpu\]==([0-9.]+)"\]', (root / "setup.py").read_text())
+    assert extra and extra.group(1) == pins["jax"] == jax.__version__
+    assert pins["libtpu"].startswith("0.0.")
+
+
+def test_an_index_of_more_rows_than_int32_ids_is_refused():
+    config = tiny_config(**{"retrieval.index_rows": 2**31})
+    with pytest.raises(aot.PlanError, match=r"index_rows=2147483648 but passage ids are int32"):
+        aot.plan(config)

@@ -102,8 +102,10 @@ def test_gradients_are_all_reduced_or_reduce_scattered(rows):
     # the rows of the position tables no token reaches (their gradient is zero).
     assert 0.9 * trainable <= replicated["gradient_sync_bytes"] <= 1.1 * trainable
     assert set(replicated["by_dtype"]) == {"all-reduce f32"}
-    # fsdp: the gradients reduce-scattered to a quarter, the parameters all-gathered.
-    assert "reduce-scatter" in fsdp and "all-gather" in fsdp, fsdp
+    # fsdp: the parameters all-gathered where the step uses them (in bfloat16 where the TPU's
+    # matmuls round them anyway), the gradients summed back onto their shards.
+    assert fsdp["all-gather"] >= 0.5 * trainable, fsdp
+    assert 0.75 * trainable <= fsdp["gradient_sync_bytes"] <= 1.1 * trainable, fsdp
 
 
 def test_roofline_is_the_slower_of_compute_and_memory(rows, target):
@@ -114,14 +116,14 @@ def test_roofline_is_the_slower_of_compute_and_memory(rows, target):
 
 
 def test_a_config_that_cannot_fit_says_which_part_and_what_would(target):
-    """An index of 2^31 float32 vectors of 64 (128 GiB per chip on 4) cannot sit in 16 GB."""
-    p = aot.plan(_config(**{"retrieval.index_rows": 2**31, "retrieval.index_dtype": "float32"}))
+    """An index of 2^30 float32 vectors of 64 (64 GiB per chip on 4) cannot sit in 16 GB."""
+    p = aot.plan(_config(**{"retrieval.index_rows": 2**30, "retrieval.index_dtype": "float32"}))
     row = aot.train_row(p, target, 8, in_step=True)
     assert not row["fits"] and "xla_error" in row  # the compiler's refusal, as a result
     tips = aot.advice(row, target, [])
     assert tips["largest_part"] == "index shard"
-    assert tips["over_by_bytes"] == tips["needed_bytes"] - target.hbm_bytes > 100 * 2**30
-    assert tips["chips_needed_at_least"] >= 2**31 * 64 * 4 // target.hbm_bytes
+    assert tips["over_by_bytes"] == tips["needed_bytes"] - target.hbm_bytes > 40 * 2**30
+    assert tips["chips_needed_at_least"] >= 2**30 * 64 * 4 // target.hbm_bytes
     assert "more than the 15.75 GiB of HBM per chip" in tips["why"]
 
 
