@@ -261,6 +261,21 @@ def _models(config, q_tok, g_tok, rng):
             g_params = bart.Bart(g_cfg).init(g_rng, *(np.zeros((1, 2), np.int32),) * 3)["params"]
         cfg = _rag_config(config, q_cfg, g_cfg, _generator_ids(g_tok))
         params = {"question_encoder": q_params, "generator": g_params}
+    if m.passage_encoder_path:
+        p_cfg, p_params = _load_encoder(m.passage_encoder_path, dtype)
+    elif m.init == "random" and not m.shared_towers:
+        p_cfg, p_params = cfg.question_encoder, _init_bert(cfg.question_encoder, p_rng)
+    else:
+        # Both towers start from the same weights (DPR initialises both from one BERT).
+        p_cfg, p_params = cfg.question_encoder, jax.tree.map(np.array, params["question_encoder"])
+    params = dict(params, passage_encoder=p_params)
+    return (*_model_settings(config, cfg, p_cfg), params)
+
+
+def _model_settings(config, cfg: rag.RagConfig, p_cfg: bert.BertConfig):
+    """(cfg, p_cfg) with the settings that change no parameter's shape: the generator's frozen
+    encoder layers and both towers' pooling."""
+    m = config.model
     if m.generator_frozen_encoder_layers:
         setting, layers = m.generator_frozen_encoder_layers, cfg.generator.encoder_layers
         frozen = layers if setting == -1 else setting
@@ -271,18 +286,10 @@ def _models(config, q_tok, g_tok, rng):
             )
         settings.check_frozen_encoder(config.train.freeze, frozen, setting)
         cfg = cfg.replace(generator=cfg.generator.replace(frozen_encoder_layers=frozen))
-    if m.passage_encoder_path:
-        p_cfg, p_params = _load_encoder(m.passage_encoder_path, dtype)
-    elif m.init == "random" and not m.shared_towers:
-        p_cfg, p_params = cfg.question_encoder, _init_bert(cfg.question_encoder, p_rng)
-    else:
-        # Both towers start from the same weights (DPR initialises both from one BERT).
-        p_cfg, p_params = cfg.question_encoder, jax.tree.map(np.array, params["question_encoder"])
-    params = dict(params, passage_encoder=p_params)
     # Both towers' vector: [CLS] (DPR) or the mean over tokens, normalised or not.
     pooling = dict(pooling=m.pooling, normalize=m.normalize_embeddings)
     cfg = cfg.replace(question_encoder=cfg.question_encoder.replace(**pooling))
-    return cfg, p_cfg.replace(**pooling), params
+    return cfg, p_cfg.replace(**pooling)
 
 
 def _bert_generator(m, tokenizer, rng, dtype):
@@ -376,6 +383,12 @@ def model_shapes(config: ml_collections.ConfigDict):
             g_cfg = planned("generator", path, hf.bart_architecture, bart.BartConfig)
             gen_ids = {k: getattr(g_cfg, k) for k in ("bos_token_id", "forced_eos_token_id")}
             gen_ids["forced_bos_token_id"] = g_cfg.forced_bos_token_id
+        elif m.generator_init == "bert":
+            raise ValueError(
+                "config.model.generator_init='bert': a BERT-initialised generator's shapes come "
+                "from its checkpoint, which planning does not read; give the architecture as "
+                "config.model.generator with generator_init='random' to plan it"
+            )
         else:
             gen_ids = _generator_ids(g_tok)
             g_cfg = bart.BartConfig(vocab_size=len(g_tok), **dict(m.generator), **gen_ids, **dtype)
@@ -396,7 +409,7 @@ def model_shapes(config: ml_collections.ConfigDict):
             "passage_encoder": _init_bert(p_cfg, rng),
         }
     )
-    return cfg, p_cfg, params, sources
+    return (*_model_settings(config, cfg, p_cfg), params, sources)
 
 
 def _load_encoder(path, dtype):

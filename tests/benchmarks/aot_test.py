@@ -178,6 +178,20 @@ def test_model_shapes_are_the_built_experiments(tiny):
     assert sources["generator"] == "config.model.generator (random init)"
 
 
+def test_model_shapes_take_the_settings_build_applies_after_loading(tmp_path):
+    """Pooling, normalisation and a frozen generator encoder change no shape but the configs."""
+    freeze = r"^(passage_encoder/|generator/final_logits_bias|generator/encoder/)"
+    settings = {"warm_start.method": "none", "warm_start.reader_steps": 0, "train.freeze": freeze,
+                "model.pooling": "mean", "model.normalize_embeddings": True,
+                "model.generator_frozen_encoder_layers": -1}  # fmt: skip
+    config = tiny_config(**settings)
+    exp = experiment.build(config, tmp_path)
+    rag_cfg, passage_cfg, _, _ = experiment.model_shapes(config)
+    assert rag_cfg == exp.rag_cfg and passage_cfg == exp.passage_cfg
+    assert rag_cfg.question_encoder.pooling == passage_cfg.pooling == "mean"
+    assert rag_cfg.generator.frozen_encoder_layers == rag_cfg.generator.encoder_layers
+
+
 def test_batch_shapes_are_the_widest_batch_the_batcher_makes(tiny):
     config, exp = tiny
     mesh = sharding.data_mesh(jax.devices()[:1])
