@@ -670,10 +670,12 @@ def _line(row: dict) -> str:
 
 
 def run(config, topology: str, *, layouts, remats, paths, largest: bool, generate: bool,
-        report=lambda out: None, log=print, hlo_dir=None) -> dict:  # fmt: skip
+        report=lambda out: None, log=print, hlo_dir=None,
+        largest_tries: int = 3) -> dict:  # fmt: skip
     """Compiles `config`'s train step (and generation) for `topology` in every combination of
     `layouts` (param_sharding), `remats` and `paths` ("host", "in_step") asked for; with
-    `largest`, also finds the largest batch of each. `report(out)` is called after each compile
+    `largest`, also finds the largest batch of each (`largest_tries` compiles after the two
+    probes; fewer leave the boundary unproved). `report(out)` is called after each compile
     (so a long run keeps what it measured)."""
     t = target(topology)
     check_batch(config.train.batch_size, t, "config.train.batch_size")
@@ -691,6 +693,9 @@ def run(config, topology: str, *, layouts, remats, paths, largest: bool, generat
                 in_step = path == "in_step"
                 batch = config.train.batch_size
                 row = train_row(p, t, batch, in_step, hlo_dir=hlo_dir)
+                out["train"].append(row)
+                log(_line(row))
+                report(out)  # kept should the largest-batch search be stopped
                 if largest:
                     known = {batch: row}
                     other = (
@@ -700,8 +705,9 @@ def run(config, topology: str, *, layouts, remats, paths, largest: bool, generat
                     def measure(b, p=p, in_step=in_step, known=known):
                         return known.get(b) or train_row(p, t, b, in_step, detail=False)
 
-                    row["largest"] = largest_batch(measure, t.chips, t.hbm_bytes, (batch, other), 3)
-                out["train"].append(row)
+                    row["largest"] = largest_batch(
+                        measure, t.chips, t.hbm_bytes, (batch, other), largest_tries
+                    )
                 log(_line(row))
                 report(out)
     for row in out["train"]:
@@ -721,7 +727,9 @@ def run(config, topology: str, *, layouts, remats, paths, largest: bool, generat
                 def measure(b, variant=variant, known=known):
                     return known.get(b) or generate_row(p, t, b, variant, num_beams=4)
 
-                row["largest"] = largest_batch(measure, t.chips, t.hbm_bytes, (batch, other), 3)
+                row["largest"] = largest_batch(
+                    measure, t.chips, t.hbm_bytes, (batch, other), largest_tries
+                )
             if not row["fits"]:
                 row["advice"] = advice(row, t, out["generate"])
             out["generate"].append(row)

@@ -59,6 +59,43 @@ def train_rows(report: dict, steps: int) -> list[str]:
     return out
 
 
+def largest_rows(reports: list[dict]) -> list[str]:
+    """One row per program setting compiled at several batches (in one report or several): the
+    largest compiled batch that fits, and the largest the line through the two compiles nearest
+    the limit predicts (memory per chip is close to linear in the batch), which is a prediction
+    until a compile at it fits."""
+    groups = {}
+    for report in reports:
+        t = report["target"]
+        for row in report["train"]:
+            key = (t["topology"], row["param_sharding"], row["remat"], row["index"])
+            points = groups.setdefault(key, (t, {}))[1]
+            need = row["memory"]["total"] if "memory" in row else row.get("needed_bytes")
+            points[row["batch"]] = (need, row["fits"])
+            for brief in (row.get("largest") or {}).get("rows", []):
+                points[brief["batch"]] = (brief["needed_bytes"], brief["fits"])
+    out = []
+    for (_, layout, remat, index), (t, points) in groups.items():
+        if len(points) < 2:
+            continue
+        hbm, chips = t["hbm_bytes_per_chip"], t["chips"]
+        known = sorted((b, need) for b, (need, _) in points.items() if need)
+        under = [pt for pt in known if pt[1] <= hbm]
+        over = [pt for pt in known if pt[1] > hbm]
+        (b1, m1), (b2, m2) = (under[-1], over[0]) if under and over else known[-2:]
+        slope = (m2 - m1) / (b2 - b1)  # bytes per chip per global example
+        predicted = int((hbm - m1) / slope + b1) // chips * chips if slope > 0 else None
+        fits = max((b for b, (_, ok) in points.items() if ok), default=None)
+        compiled = ", ".join(f"{b}: {_gib(points[b][0])}" for b in sorted(points))
+        out.append(
+            f"| {_slice(t)} | {layout} | {'on' if remat else 'off'} | {index} | {compiled} "
+            f"| {'none' if fits is None else f'{fits} ({fits // chips})'} "
+            f"| {'-' if predicted is None else f'{predicted} ({predicted // chips})'} "
+            f"| {_gib(slope * chips)} |"
+        )
+    return out
+
+
 def generate_rows(report: dict) -> list[str]:
     t = report["target"]
     out = []
@@ -87,6 +124,14 @@ def main(argv=None) -> None:
     print("| --- " * 12 + "|")
     for report in reports:
         print("\n".join(train_rows(report, args.steps)))
+    largest = largest_rows(reports)
+    if largest:
+        print()
+        print("| slice | parameters | remat | index | compiled B: GiB per chip | largest B "
+              "compiled that fits (per chip) | largest B predicted (per chip) "
+              "| GiB per example on a chip |")  # fmt: skip
+        print("| --- " * 8 + "|")
+        print("\n".join(largest))
     generation = [line for report in reports for line in generate_rows(report)]
     if generation:
         print()

@@ -42,6 +42,9 @@ _PATHS = flags.DEFINE_list(
 _LARGEST = flags.DEFINE_bool(
     "largest", False, "also find the largest batch that fits (more compiles)"
 )
+_TRIES = flags.DEFINE_integer(
+    "largest_tries", 3, "compiles of the largest-batch search after its two probes"
+)
 _GENERATE = flags.DEFINE_bool("generate", False, "also compile generation at the eval batch")
 _HLO_DIR = flags.DEFINE_string("hlo_dir", None, "also write each program's optimised HLO here")
 flags.mark_flags_as_required(["config", "topology"])
@@ -63,7 +66,12 @@ def main(argv):
         with open(_OUT.value, "w", encoding="utf-8") as f:
             json.dump(out, f, indent=1, sort_keys=True, default=str)
 
-    options = dict(largest=_LARGEST.value, generate=_GENERATE.value, hlo_dir=_HLO_DIR.value)
+    options = dict(
+        largest=_LARGEST.value,
+        generate=_GENERATE.value,
+        hlo_dir=_HLO_DIR.value,
+        largest_tries=_TRIES.value,
+    )
     try:
         aot.run(config, _TOPOLOGY.value, layouts=layouts, remats=remats, paths=_PATHS.value,
                 report=report, **options)  # fmt: skip

@@ -58,11 +58,11 @@ def make_step(
         parameters; its result becomes `state.next_doc_ids` (the in-step search).
       state_sharding: the state's placement (`training.loop.state_sharding`), which the new
         state keeps. With split parameters (`param_sharding="fsdp"`) the loss sees them
-        all-gathered (float32, once per step) and the gradients are summed back onto the
-        parameters' split, so each device updates its own shard of the parameters and the
-        optimizer state. Left to itself (compiled for TPU v5e, BART-large), XLA gathers each
-        weight again at every use, fuses the gathers into the matmuls, and needs more memory
-        than the replicated step (tpu/README.md).
+        all-gathered once per step (in bfloat16 where the step only reads them rounded) and the
+        gradients are summed back onto the parameters' split, so each device updates its own
+        shard of the parameters and the optimizer state. Left to itself, XLA may gather a
+        weight again at each use (forward, rematerialised forward, backward) and fuse the
+        gathers into the matmuls.
     """
     gathered = split = None
     if state_sharding is not None:
