@@ -46,5 +46,8 @@ setup(
             "uvicorn>=0.30",
             "httpx>=0.27",
         ],
+        # The TPU runtime and compiler (libtpu): for TPU VMs, and for compiling for a TPU
+        # topology on any host (experiments/tpu_compile.py). At the jax version of the CI pins.
+        "tpu": ["jax[tpu]==0.10.2"],
     },
 )

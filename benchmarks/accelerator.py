@@ -94,7 +94,10 @@ def train_flops(q: bert.BertConfig, g: bart.BartConfig, batch: int, *, n_docs=N_
     norms, softmax, dropout and the optimizer are not model FLOPs.
 
     Returns:
-      {"question_encoder", "generator", "doc_scores", "forward", "train"}: FLOPs.
+      {"question_encoder", "generator", "doc_scores", "forward", "train"}: FLOPs; and
+      "recompute": the forward FLOPs of the transformer layers, which rematerialisation
+      (`remat=True` in the model configs) executes a second time in the backward pass (all but
+      the pooler/projection and the vocabulary projection, which sit outside the layers).
     """
     h, f = q.hidden_size, q.intermediate_size
     tokens = batch * question
@@ -117,12 +120,14 @@ def train_flops(q: bert.BertConfig, g: bart.BartConfig, batch: int, *, n_docs=N_
 
     scores = 2 * rows * q.embedding_dim
     forward = question_fwd + generator_fwd + scores
+    question_layers = tokens * q.num_hidden_layers * per_token
     return {
         "question_encoder": 3 * question_fwd,
         "generator": 3 * generator_fwd,
         "doc_scores": 3 * scores,
         "forward": forward,
         "train": 3 * forward,
+        "recompute": question_layers * q.remat + (enc + dec + cross_kv) * g.remat,
     }
 
 

@@ -593,7 +593,7 @@ def _embed_program(cfg: rag.RagConfig, fast_compile: bool):
 def _generate_program(cfg, variant: str, num_beams: int, n_docs: int, decoding, fast_compile):
     """jit: (params, q_ids [B, Q], q_mask, doc_vectors [B, N, D], contexts [B * N, W] and their
     mask) -> (tokens [B, L], doc scores [B, N]), generated as the evaluation generates
-    (`evaluation._generate_fn`)."""
+    (`evaluation.generate_fn`)."""
     run_cfg = cfg.replace(n_docs=n_docs)
 
     def generate(params, q_ids, q_mask, doc_vectors, ctx, ctx_mask):

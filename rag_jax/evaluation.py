@@ -39,13 +39,16 @@ def evaluate(
     """
     c = exp.config
     retriever = exp.retriever if retriever is None else retriever
+    rag_cfg = eval_rag_config(exp.rag_cfg, c)
+    if not isinstance(retriever, ClosedBook):
+        retriever = retriever.with_n_docs(rag_cfg.n_docs)
     batch_size = c.eval.batch_size
     sharding.check_batch_divisible(batch_size, mesh.size, "eval batch")
     batcher = Batcher(exp, mesh)
     local = batch_size // batcher.blocks  # rows of each batch this process retrieves for
     mine = slice(batcher.block * local, (batcher.block + 1) * local)
-    gen = _generate_fn(exp.rag_cfg, variant, c.eval.sequence_decoding)
-    ks = [k for k in ks if k <= exp.rag_cfg.n_docs]
+    gen = generate_fn(rag_cfg, variant, c.eval.sequence_decoding)
+    ks = [k for k in ks if k <= rag_cfg.n_docs]
     totals, predictions = {}, []
     for idx, mask in data.eval_batches(len(examples), batch_size):
         batch_examples = [examples[i] for i in idx]
@@ -100,8 +103,17 @@ def _prediction(e: data.Example, answer: str, retrieved: list) -> dict:
     }
 
 
+def eval_rag_config(rag_cfg: rag.RagConfig, config) -> rag.RagConfig:
+    """The model config evaluation generates with: `config.eval.n_docs` passages per question
+    (0: as in training)."""
+    return rag_cfg.replace(n_docs=config.eval.n_docs or rag_cfg.n_docs)
+
+
 @functools.cache
-def _generate_fn(rag_cfg: rag.RagConfig, variant: str, sequence_decoding: str):
+def generate_fn(rag_cfg: rag.RagConfig, variant: str, sequence_decoding: str):
+    """The jitted evaluation call: `fn(params, q_ids [B, Q], q_mask, doc_vectors [B, N, D],
+    ctx [B, N, S], ctx_mask) -> [B, L]` generated tokens."""
+
     def fn(params, q_ids, q_mask, doc_vectors, ctx, ctx_mask):
         q = rag.question_embeddings(rag_cfg, params, q_ids, q_mask)
         scores = rag_math.doc_scores(q, doc_vectors, rag_cfg.doc_score_scale)  # -> [B, N]

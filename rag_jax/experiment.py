@@ -132,18 +132,23 @@ class Experiment:
         return dataclasses.replace(self, retriever=self.build_retriever(passage_params, **options))
 
 
+def _world(config) -> synthetic.World:
+    d = config.data
+    return synthetic.make_world(
+        synthetic.WorldConfig(
+            seed=config.seed,
+            num_entities=d.num_entities,
+            distractors_per_fact=d.distractors_per_fact,
+            eval_fraction=d.eval_fraction,
+        )
+    )
+
+
 def _load_data(config):
     """(train examples, eval examples, passages, world or None)."""
     d = config.data
     if d.source == "synthetic":
-        world = synthetic.make_world(
-            synthetic.WorldConfig(
-                seed=config.seed,
-                num_entities=d.num_entities,
-                distractors_per_fact=d.distractors_per_fact,
-                eval_fraction=d.eval_fraction,
-            )
-        )
+        world = _world(config)
         passages = [Passage(p.id, p.title, p.text) for p in world.passages]
         return (
             data.examples_from_world(world, "train"),
@@ -203,21 +208,40 @@ def _generator_ids(tokenizer) -> dict:
     )
 
 
-def _models(config, q_tok, g_tok, rng):
-    """(RagConfig, passage BertConfig, params)."""
-    m, r = config.model, config.rag
-    dtype = dict(dtype=m.dtype, remat=m.remat)
-    rag_fields = dict(
+def _rag_fields(config) -> dict:
+    r = config.rag
+    return dict(
         n_docs=r.n_docs,
         max_combined_length=r.max_combined_length,
         label_smoothing=r.label_smoothing,
         exclude_bos_score=r.exclude_bos_score,
         doc_score_scale=r.doc_score_scale,
     )
+
+
+def _rag_config(config, q_cfg: bert.BertConfig, g_cfg: bart.BartConfig, gen_ids: dict):
+    return rag.RagConfig(
+        question_encoder=q_cfg,
+        generator=g_cfg,
+        bos_token_id=gen_ids["bos_token_id"],
+        generation=rag.GenerationConfig(
+            num_beams=config.eval.num_beams,
+            max_length=config.eval.max_length,
+            forced_bos_token_id=gen_ids["forced_bos_token_id"],
+            forced_eos_token_id=gen_ids["forced_eos_token_id"],
+        ),
+        **_rag_fields(config),
+    )
+
+
+def _models(config, q_tok, g_tok, rng):
+    """(RagConfig, passage BertConfig, params)."""
+    m = config.model
+    dtype = dict(dtype=m.dtype, remat=m.remat)
     q_rng, p_rng, g_rng = jax.random.split(rng, 3)
     if m.init == "hf_rag":
         cfg, params = hf.load_rag(m.rag_path, **dtype)
-        cfg = cfg.replace(**rag_fields)
+        cfg = cfg.replace(**_rag_fields(config))
     else:
         if m.init == "pretrained":
             q_cfg, q_params = _load_encoder(m.question_encoder_path, dtype)
@@ -235,20 +259,23 @@ def _models(config, q_tok, g_tok, rng):
                 vocab_size=len(g_tok), **dict(m.generator), **_generator_ids(g_tok), **dtype
             )
             g_params = bart.Bart(g_cfg).init(g_rng, *(np.zeros((1, 2), np.int32),) * 3)["params"]
-        gen_ids = _generator_ids(g_tok)
-        cfg = rag.RagConfig(
-            question_encoder=q_cfg,
-            generator=g_cfg,
-            bos_token_id=gen_ids["bos_token_id"],
-            generation=rag.GenerationConfig(
-                num_beams=config.eval.num_beams,
-                max_length=config.eval.max_length,
-                forced_bos_token_id=gen_ids["forced_bos_token_id"],
-                forced_eos_token_id=gen_ids["forced_eos_token_id"],
-            ),
-            **rag_fields,
-        )
+        cfg = _rag_config(config, q_cfg, g_cfg, _generator_ids(g_tok))
         params = {"question_encoder": q_params, "generator": g_params}
+    if m.passage_encoder_path:
+        p_cfg, p_params = _load_encoder(m.passage_encoder_path, dtype)
+    elif m.init == "random" and not m.shared_towers:
+        p_cfg, p_params = cfg.question_encoder, _init_bert(cfg.question_encoder, p_rng)
+    else:
+        # Both towers start from the same weights (DPR initialises both from one BERT).
+        p_cfg, p_params = cfg.question_encoder, jax.tree.map(np.array, params["question_encoder"])
+    params = dict(params, passage_encoder=p_params)
+    return (*_model_settings(config, cfg, p_cfg), params)
+
+
+def _model_settings(config, cfg: rag.RagConfig, p_cfg: bert.BertConfig):
+    """(cfg, p_cfg) with the settings that change no parameter's shape: the generator's frozen
+    encoder layers and both towers' pooling."""
+    m = config.model
     if m.generator_frozen_encoder_layers:
         setting, layers = m.generator_frozen_encoder_layers, cfg.generator.encoder_layers
         frozen = layers if setting == -1 else setting
@@ -259,18 +286,10 @@ def _models(config, q_tok, g_tok, rng):
             )
         settings.check_frozen_encoder(config.train.freeze, frozen, setting)
         cfg = cfg.replace(generator=cfg.generator.replace(frozen_encoder_layers=frozen))
-    if m.passage_encoder_path:
-        p_cfg, p_params = _load_encoder(m.passage_encoder_path, dtype)
-    elif m.init == "random" and not m.shared_towers:
-        p_cfg, p_params = cfg.question_encoder, _init_bert(cfg.question_encoder, p_rng)
-    else:
-        # Both towers start from the same weights (DPR initialises both from one BERT).
-        p_cfg, p_params = cfg.question_encoder, jax.tree.map(np.array, params["question_encoder"])
-    params = dict(params, passage_encoder=p_params)
     # Both towers' vector: [CLS] (DPR) or the mean over tokens, normalised or not.
     pooling = dict(pooling=m.pooling, normalize=m.normalize_embeddings)
     cfg = cfg.replace(question_encoder=cfg.question_encoder.replace(**pooling))
-    return cfg, p_cfg.replace(**pooling), params
+    return cfg, p_cfg.replace(**pooling)
 
 
 def _bert_generator(m, tokenizer, rng, dtype):
@@ -305,6 +324,92 @@ def _bert_generator(m, tokenizer, rng, dtype):
             f"config.model.generator with generator_init='bert' from {path}: {e} (BERT fixes the "
             "widths, heads, vocabulary and positions; leave them out of config.model.generator)"
         ) from e
+
+
+def model_shapes(config: ml_collections.ConfigDict):
+    """The models `build` makes for `config`, as shapes: no weight is read, nothing allocated.
+
+    Architectures come from what `build` would load: the random-init sizes of the config with the
+    tokenizers' vocabularies, or each checkpoint's config files. A checkpoint that is not on this
+    machine is planned from its architecture as the config gives it (`config.model.
+    question_encoder` / `generator`, vocab_size included); without one that is an error.
+
+    Returns:
+      (RagConfig, passage BertConfig, params {"question_encoder", "generator",
+      "passage_encoder"} of `jax.ShapeDtypeStruct`s, {part: where its architecture came from}).
+    """
+    m = config.model
+    dtype = dict(dtype=m.dtype, remat=m.remat)
+    sources = {}
+
+    def planned(part, path, read, make):
+        try:
+            arch = read(path, **dtype)
+            sources[part] = path
+            return arch
+        except hf.CheckpointError as e:
+            key = "question_encoder" if part != "generator" else "generator"
+            fields = dict(m[key])
+            if "vocab_size" not in fields:
+                raise ValueError(
+                    f"config.model: {path!r} is not on this machine ({e}); download it (its "
+                    f"config.json is enough), or give its architecture (vocab_size and the sizes "
+                    f"of its config.json) in config.model.{key}"
+                ) from None
+            sources[part] = f"config.model.{key} ({path} is not on this machine)"
+            return make(**fields, **dtype)
+
+    if m.init == "hf_rag":
+
+        def from_fields(**_):
+            q = bert.BertConfig(**dict(m.question_encoder), **dtype)
+            g = bart.BartConfig(**dict(m.generator), **dtype)
+            return rag.RagConfig(question_encoder=q, generator=g)
+
+        cfg = planned("question_encoder", m.rag_path, hf.rag_architecture, from_fields)
+        sources["generator"] = sources["question_encoder"]
+        cfg = cfg.replace(**_rag_fields(config))
+    else:
+        world = _world(config) if config.data.source == "synthetic" else None
+        q_tok, g_tok = _tokenizers(config, world) if m.init == "random" else (None, None)
+        if m.init == "pretrained":
+            path = m.question_encoder_path
+            q_cfg = planned("question_encoder", path, hf.bert_architecture, bert.BertConfig)
+        else:
+            q_cfg = bert.BertConfig(vocab_size=len(q_tok), **dict(m.question_encoder), **dtype)
+            sources["question_encoder"] = "config.model.question_encoder (random init)"
+        if m.generator_path:
+            path = m.generator_path
+            g_cfg = planned("generator", path, hf.bart_architecture, bart.BartConfig)
+            gen_ids = {k: getattr(g_cfg, k) for k in ("bos_token_id", "forced_eos_token_id")}
+            gen_ids["forced_bos_token_id"] = g_cfg.forced_bos_token_id
+        elif m.generator_init == "bert":
+            raise ValueError(
+                "config.model.generator_init='bert': a BERT-initialised generator's shapes come "
+                "from its checkpoint, which planning does not read; give the architecture as "
+                "config.model.generator with generator_init='random' to plan it"
+            )
+        else:
+            gen_ids = _generator_ids(g_tok)
+            g_cfg = bart.BartConfig(vocab_size=len(g_tok), **dict(m.generator), **gen_ids, **dtype)
+            sources["generator"] = "config.model.generator (random init)"
+        cfg = _rag_config(config, q_cfg, g_cfg, gen_ids)
+    p_cfg = cfg.question_encoder
+    sources["passage_encoder"] = sources["question_encoder"]
+    if m.passage_encoder_path:
+        path = m.passage_encoder_path
+        p_cfg = planned("passage_encoder", path, hf.bert_architecture, bert.BertConfig)
+    rng = jax.random.PRNGKey(0)
+    params = jax.eval_shape(
+        lambda: {
+            "question_encoder": _init_bert(cfg.question_encoder, rng),
+            "generator": bart.Bart(cfg.generator).init(rng, *(np.zeros((1, 2), np.int32),) * 3)[
+                "params"
+            ],
+            "passage_encoder": _init_bert(p_cfg, rng),
+        }
+    )
+    return (*_model_settings(config, cfg, p_cfg), params, sources)
 
 
 def _load_encoder(path, dtype):

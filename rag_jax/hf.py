@@ -122,6 +122,28 @@ def read_state_dict(path: pathlib.Path) -> dict[str, np.ndarray]:
     )
 
 
+def tensor_names(path: pathlib.Path) -> list[str]:
+    """The tensor names of a checkpoint directory's weights, without reading any tensor."""
+    single = path / "model.safetensors"
+    index = path / "model.safetensors.index.json"
+    if single.is_file():
+        from safetensors import safe_open
+
+        with safe_open(str(single), "numpy") as f:
+            return list(f.keys())
+    if index.is_file():
+        return list(json.loads(index.read_text())["weight_map"])
+    binary = path / "pytorch_model.bin"
+    if binary.is_file():
+        import torch
+
+        return list(torch.load(binary, map_location="cpu", weights_only=True, mmap=True))
+    raise CheckpointError(
+        f"no weights in {path}: expected model.safetensors, model.safetensors.index.json or "
+        "pytorch_model.bin"
+    )
+
+
 def _check_type(config: dict, expected: tuple[str, ...], path: pathlib.Path) -> None:
     found = config.get("model_type")
     if found not in expected:
@@ -341,6 +363,18 @@ def load_dpr(path, *, dtype: str = "float32", param_dtype: str = "float32", rema
     return cfg, params
 
 
+def bert_architecture(path, **overrides) -> bert.BertConfig:
+    """The BertConfig `load_bert` or `load_dpr` returns for `path`, from its config.json and
+    tensor names alone (no tensor is read): for planning memory before loading."""
+    path = resolve(path)
+    config = read_config(path)
+    _check_type(config, ("bert", "dpr"), path)
+    if config["model_type"] == "dpr":
+        return bert_config_from_hf(config, with_pooler=False, **overrides)
+    with_pooler = any(_normalise(n).endswith("pooler.dense.weight") for n in tensor_names(path))
+    return bert_config_from_hf(config, with_pooler=with_pooler, projection_dim=0, **overrides)
+
+
 # ---------------------------------------------------------------------------------------------
 # BART
 
@@ -403,6 +437,14 @@ def load_bart(path, *, dtype: str = "float32", param_dtype: str = "float32", rem
     params, missing = bart_params_from_state(cfg, state, prefix, path)
     _strict(missing, sorted(state), path)
     return cfg, params
+
+
+def bart_architecture(path, **overrides) -> bart.BartConfig:
+    """The BartConfig `load_bart` returns for `path`, from its config.json alone."""
+    path = resolve(path)
+    config = read_config(path)
+    _check_type(config, ("bart",), path)
+    return bart_config_from_hf(config, **overrides)
 
 
 def load_tokenizer(path):
@@ -511,6 +553,16 @@ def load_rag(path, *, dtype: str = "float32", param_dtype: str = "float32", rema
     g_params, g_missing = bart_params_from_state(cfg.generator, state, g_prefix, path)
     _strict(q_missing + g_missing, sorted(state), path)
     return cfg, {"question_encoder": q_params, "generator": g_params}
+
+
+def rag_architecture(path, **overrides) -> rag.RagConfig:
+    """The RagConfig `load_rag` returns for `path`, from its config files alone."""
+    path = resolve(path)
+    config = read_config(path)
+    _check_type(config, ("rag",), path)
+    generation_file = path / "generation_config.json"
+    generation = json.loads(generation_file.read_text()) if generation_file.is_file() else None
+    return rag_config_from_hf(config, generation, **overrides)
 
 
 def load_rag_tokenizers(path):

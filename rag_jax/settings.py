@@ -89,7 +89,9 @@ SCHEMA: dict[str, dict[str, tuple]] = {
                 "max_position_embeddings": 128,
                 "initializer_range": 0.02,
             },
-            "BertConfig fields of both retriever towers with init='random' (H 64, 2 layers)",
+            "BertConfig fields of both retriever towers with init='random' (H 64, 2 layers); "
+            "with a checkpoint, its architecture (vocab_size included) for planning a run before "
+            "it is downloaded (experiments/tpu_compile.py reads it when the checkpoint is absent)",
         ),
         "generator": (
             {
@@ -106,7 +108,8 @@ SCHEMA: dict[str, dict[str, tuple]] = {
                 # generator on the answer prior for 300+ steps; 0.1 reads by step ~150.
                 "init_std": 0.1,
             },
-            "BartConfig fields of a generator trained from scratch (without generator_path)",
+            "BartConfig fields of a generator trained from scratch (without generator_path); with "
+            "a checkpoint, its architecture for planning, as model.question_encoder",
         ),
         "generator_init": (
             "random",
@@ -223,6 +226,9 @@ SCHEMA: dict[str, dict[str, tuple]] = {
             "0 = the stored vectors never change (the paper's setup)",
         ),
         "refresh_lag": (0, "steps until a refreshed index serves; 0 = refresh_every // 2"),
+        # Read when planning a run before its index exists (experiments/tpu_compile.py).
+        "index_rows": (0, "C planned: passages in the index; 0 = the index's own count"),
+        "index_dtype": ("", "planned vector dtype: float32 | bfloat16; empty = the index's own"),
     },
     "train": {
         "steps": (500, "optimizer steps"),
@@ -247,6 +253,12 @@ SCHEMA: dict[str, dict[str, tuple]] = {
         "adam_eps": (1e-8, "AdamW epsilon"),
         "grad_clip": (1.0, "global-norm clip; 0 = none"),
         "grad_accum": (1, "optimizer step every k batches"),
+        "param_sharding": (
+            "replicated",
+            "parameters and optimizer state: replicated on every device | fsdp: each array split "
+            "over the data axis along its largest divisible dimension (ZeRO-3, as t5x and "
+            "MaxText partition), all-gathered where the step uses it",
+        ),
         "freeze": (
             r"^(passage_encoder/|generator/final_logits_bias)",
             "frozen parameter paths (regex): the passage encoder (stored vectors stay valid) "
@@ -271,6 +283,11 @@ SCHEMA: dict[str, dict[str, tuple]] = {
             "questions; 0 = as many as before/after",
         ),
         "batch_size": (32, "questions per evaluation batch"),
+        "n_docs": (
+            0,
+            "N at test time: passages per question in evaluation; 0 = rag.n_docs (the paper tests "
+            "with more than it trains with)",
+        ),
         "max_examples": (0, "the first N held-out questions; 0 = all"),
         "num_beams": (1, "1 = greedy"),
         "max_length": (8, "generated tokens, decoder start included"),
@@ -451,10 +468,17 @@ def _check_sizes(config: ml_collections.ConfigDict) -> None:
         ("retrieval.refresh_every", config.retrieval.refresh_every),
         ("retrieval.refresh_lag", config.retrieval.refresh_lag),
         ("warm_start.reader_steps", config.warm_start.reader_steps),
+        ("eval.n_docs", config.eval.n_docs),
+        ("retrieval.index_rows", config.retrieval.index_rows),
     ]
     for key, value in counts:
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"config.{key} must be >= 0 (an integer), got {value!r}")
+    if config.retrieval.index_rows >= 2**31:  # passage ids are int32 in the step
+        raise ValueError(
+            f"config.retrieval.index_rows={config.retrieval.index_rows} but passage ids are "
+            f"int32: use at most {2**31 - 1}, or split the corpus"
+        )
 
 
 def _check_choices(config: ml_collections.ConfigDict) -> None:
@@ -479,6 +503,8 @@ def _check_choices(config: ml_collections.ConfigDict) -> None:
         ("train.optimizer", config.train.optimizer, ("adamw", "sgd")),
         ("train.decay", config.train.decay, ("linear", "polynomial", "constant")),
         ("eval.sequence_decoding", config.eval.sequence_decoding, ("thorough", "fast")),
+        ("train.param_sharding", config.train.param_sharding, ("replicated", "fsdp")),
+        ("retrieval.index_dtype", config.retrieval.index_dtype, ("", "float32", "bfloat16")),
     ]
     for key, value, allowed in choices:
         if value not in allowed:
@@ -534,8 +560,11 @@ def _check_paths(config: ml_collections.ConfigDict) -> None:
             ) from None
 
 
-def validate(config: ml_collections.ConfigDict, num_devices: int) -> None:
-    """Start-up checks of invariants, each error naming the value and what would be right."""
+def validate(config: ml_collections.ConfigDict, num_devices: int, *, paths: bool = True) -> None:
+    """Start-up checks of invariants, each error naming the value and what would be right.
+
+    `paths=False` skips the checks of files and checkpoints (planning a run on a machine that
+    has none of them, `experiments/tpu_compile.py`)."""
     _check_keys(config)
     _check_sizes(config)
     _check_choices(config)
@@ -578,4 +607,10 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> None:
             "config.retrieval.refresh_every=0 never re-encodes the corpus, so the index would "
             "go stale; freeze passage_encoder/ or set refresh_every"
         )
-    _check_paths(config)
+    if config.rag.closed_book and config.eval.n_docs > 1:
+        raise ValueError(
+            f"config.eval.n_docs={config.eval.n_docs} but config.rag.closed_book retrieves "
+            "nothing (one empty passage); use 0"
+        )
+    if paths:
+        _check_paths(config)

@@ -1,10 +1,13 @@
 """Data parallelism over a device mesh: multi-host start-up, mesh, batch placement, memory plan.
 
-One mesh axis, `data`, spans every device of every process. Parameters and optimizer state are
-replicated over it, batches are split over it along their leading (batch) dimension, and a jitted
+One mesh axis, `data`, spans every device of every process. Batches are split over it along their
+leading (batch) dimension. Parameters and optimizer state are replicated over it, and a jitted
 step over such inputs averages gradients across devices by itself (XLA inserts the all-reduce that
-`pmean` made explicit under `pmap`). Code that must see its own device's shard (per-shard index
-search, per-device dropout keys) runs under `jax.shard_map` over the same axis.
+`pmean` made explicit under `pmap`); or, with `param_sharding(..., "fsdp")`, each of their arrays
+is split over the same axis (ZeRO-3 / FSDP: XLA all-gathers a parameter where the step uses it and
+reduce-scatters its gradient, so a device holds 1/n of the parameters and optimizer state).
+Code that must see its own device's shard (per-shard index search, per-device dropout keys) runs
+under `jax.shard_map` over the same axis.
 
 The same code runs on 1 CPU device, on 8 fake CPU devices
 (`XLA_FLAGS=--xla_force_host_platform_device_count=8`), on a TPU VM, and on a multi-host pod.
@@ -151,6 +154,79 @@ def replicated(mesh: Mesh) -> NamedSharding:
 def batch_sharded(mesh: Mesh) -> NamedSharding:
     """The leading (batch) dimension is split over `data`; other dimensions are whole."""
     return NamedSharding(mesh, P(DATA_AXIS))
+
+
+PARAM_SHARDINGS = ("replicated", "fsdp")
+
+
+def fsdp_spec(shape: Sequence[int], num_devices: int) -> P:
+    """How `param_sharding="fsdp"` splits an array of `shape` over `data`: along its largest
+    dimension that `num_devices` divides (the first of equals), whole when none does (scalars,
+    odd sizes). Shape-only, so an optimizer moment is split as its parameter is."""
+    dims = [i for i, size in enumerate(shape) if size % num_devices == 0 and size >= num_devices]
+    if num_devices == 1 or not dims:
+        return P()
+    axis = max(dims, key=lambda i: (shape[i], -i))
+    return P(*([None] * axis), DATA_AXIS)
+
+
+def param_sharding(mesh: Mesh, tree: Any, param_sharding: str) -> Any:
+    """The placement of every leaf of a pytree of parameters (or of optimizer state).
+
+    Args:
+      mesh: the `data` mesh.
+      tree: pytree of arrays or `jax.ShapeDtypeStruct`s.
+      param_sharding: "replicated" (every device holds every array) or "fsdp" (`fsdp_spec`).
+
+    Returns:
+      The same pytree of `NamedSharding`s.
+    """
+    if param_sharding not in PARAM_SHARDINGS:
+        raise ValueError(
+            f"param_sharding must be one of {' | '.join(PARAM_SHARDINGS)}, got {param_sharding!r}"
+        )
+    if param_sharding == "replicated":
+        return jax.tree.map(lambda _: replicated(mesh), tree)
+    return jax.tree.map(lambda x: NamedSharding(mesh, fsdp_spec(x.shape, mesh.size)), tree)
+
+
+def per_device_bytes(tree: Any, shardings: Any = None) -> int:
+    """Bytes one device holds of a pytree: each leaf's largest shard under its sharding (the
+    leaf's own, or the matching leaf of `shardings`)."""
+    leaves = jax.tree.leaves(tree)
+    where = [None] * len(leaves) if shardings is None else jax.tree.leaves(shardings)
+    total = 0
+    for leaf, place in zip(leaves, where, strict=True):
+        place = place or getattr(leaf, "sharding", None)
+        shape = place.shard_shape(leaf.shape) if place is not None else leaf.shape
+        total += math.prod(shape) * np.dtype(leaf.dtype).itemsize
+    return total
+
+
+def compiled_memory(compiled, arguments: dict[str, int], rest: str = "other arguments") -> dict:
+    """What a compiled program needs per device, from XLA's memory analysis, in parts that add up
+    to `total`.
+
+    Args:
+      compiled: a `jax.stages.Compiled`.
+      arguments: named parts of its arguments, bytes per device (e.g. parameters, optimizer
+        state); the rest of XLA's argument bytes is reported as `rest` (the batch, small leaves,
+        the padding of arrays to the device's tiles).
+      rest: the name of that remainder.
+
+    Returns:
+      {name: bytes}: the named arguments, `rest`, "outputs (not donated)", "temporaries",
+      "generated code" and "total" (their sum, what the device must hold at the peak).
+    """
+    stats = compiled.memory_analysis()
+    parts = dict(arguments)
+    parts[rest] = stats.argument_size_in_bytes - sum(arguments.values())
+    # Outputs that reuse a donated argument's buffer (the updated train state) cost nothing more.
+    parts["outputs (not donated)"] = stats.output_size_in_bytes - stats.alias_size_in_bytes
+    parts["temporaries"] = stats.temp_size_in_bytes
+    parts["generated code"] = stats.generated_code_size_in_bytes
+    parts["total"] = sum(parts.values())
+    return parts
 
 
 def check_batch_divisible(batch_size: int, num_devices: int, what: str = "global batch") -> None:
@@ -329,6 +405,23 @@ def replicated_to_host(tree: Any) -> Any:
             if not x.is_fully_replicated:
                 raise ValueError(f"replicated_to_host needs replicated arrays; got {x.sharding}")
             return np.asarray(x.addressable_data(0))
+        return np.asarray(jax.device_get(x))
+
+    return jax.tree.map(host, tree)
+
+
+def state_to_host(tree: Any) -> Any:
+    """Host numpy copies of a pytree of replicated or split (`param_sharding="fsdp"`) arrays.
+
+    Replicated arrays are read from this process's own copy; split ones are gathered, a
+    collective on several processes (all of them call this with the same tree).
+    """
+
+    def host(x):
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+            if x.is_fully_replicated:
+                return np.asarray(x.addressable_data(0))
+            return np.asarray(multihost_utils.process_allgather(x, tiled=True))
         return np.asarray(jax.device_get(x))
 
     return jax.tree.map(host, tree)

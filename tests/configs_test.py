@@ -74,6 +74,8 @@ INIT_KEYS = {
             "model.generator_decoder_layers",
             "model.generator_decoder_init",
             "model.generator_frozen_encoder_layers",
+            # The checkpoints' architectures, to plan a run without them (model_shapes).
+            "model.question_encoder",
         },
     ),
     "hf_rag": ({"model.rag_path"}, {"model.passage_encoder_path"}),

@@ -28,9 +28,12 @@ of NQ-open's test set (TFDS `natural_questions_open` `validation`, the original 
 
 Expected result (not run in this repository): the paper's Table 1 reports NQ test EM 44.5 for
 RAG-Sequence and 44.1 for RAG-Token. Its test numbers use more passages at test time than in
-training (its appendix: 50 for RAG-Sequence, 15 for RAG-Token); this config evaluates with the
-k = 5 it trains with, so expect somewhat less. Steps and batch are chosen for a pod slice, not
-tuned here (7,000 steps of 128 is about 10 epochs of the 87,925 training questions).
+training (its appendix: 50 for RAG-Sequence, 15 for RAG-Token); this config evaluates with 50
+(`--config.eval.n_docs=15` for RAG-Token). Steps and batch are chosen for a pod slice, not
+tuned here (7,000 steps of 128 is about 10 epochs of the 87,925 training questions). What fits
+on which TPU, and the roofline step time: tpu/README.md, from
+
+    python experiments/tpu_compile.py --config experiments/configs/nq.py --topology v5e:2x4
 """
 
 import os
@@ -61,6 +64,30 @@ def get_config():
     config.model.question_encoder_path = "facebook/dpr-question_encoder-multiset-base"
     config.model.passage_encoder_path = "facebook/dpr-ctx_encoder-multiset-base"  # the index's
     config.model.generator_path = "facebook/bart-large"  # also the generator tokenizer
+    # The checkpoints' architectures as their config.json give them, so that a run can be planned
+    # (experiments/tpu_compile.py) on a machine without them; training loads the checkpoints.
+    config.model.question_encoder = dict(  # bert-base-uncased, both DPR towers
+        vocab_size=30522,
+        hidden_size=768,
+        num_hidden_layers=12,
+        num_attention_heads=12,
+        intermediate_size=3072,
+        max_position_embeddings=512,
+        type_vocab_size=2,
+        projection_dim=0,
+    )
+    config.model.generator = dict(  # facebook/bart-large
+        vocab_size=50265,
+        d_model=1024,
+        encoder_layers=12,
+        decoder_layers=12,
+        encoder_attention_heads=16,
+        decoder_attention_heads=16,
+        encoder_ffn_dim=4096,
+        decoder_ffn_dim=4096,
+        max_position_embeddings=1024,
+        dropout=0.1,
+    )
     config.model.dtype = "bfloat16"  # compute dtype (parameters and optimizer stay float32)
     config.model.remat = True  # rematerialise layers: BART-large over B * N contexts of 300
     config.model.deterministic = False  # BART-large's dropout 0.1 on, as in fine-tuning
@@ -81,6 +108,10 @@ def get_config():
     config.retrieval.index = "scann"  # used only when index_dir is ""
     config.retrieval.passage_max_length = 256  # passage-encoder tokens (build_index's default)
     config.retrieval.encode_batch_size = 512
+    # The size a device index of it has (the 21,015,300 vectors of HF's wiki_dpr; build_index
+    # --dtype=bfloat16), for planning the in-step search before the index exists.
+    config.retrieval.index_rows = 21_015_300
+    config.retrieval.index_dtype = "bfloat16"
 
     # Optimisation as in the authors' released fine-tuning script (transformers'
     # examples/research_projects/rag/finetune_rag.sh): AdamW at 3e-5 with polynomial decay,
@@ -98,6 +129,7 @@ def get_config():
     config.train.keep_checkpoints = 3
 
     config.eval.batch_size = 128
+    config.eval.n_docs = 50  # the paper's test-time k for RAG-Sequence (15 for RAG-Token)
     config.eval.num_beams = 1  # greedy: the paper found beam search no better for QA
     config.eval.max_length = 32
     return config

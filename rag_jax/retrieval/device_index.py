@@ -165,6 +165,11 @@ class DeviceIndex(Index):
         self.vectors = jax.make_array_from_callback(
             (padded, dim), NamedSharding(mesh, P(axis, None)), rows
         )  # -> [C', D]
+        self._set(count, dim, mesh, axis, recall_target, precision, block_rows)
+        self.encoder_fingerprint = encoder_fingerprint
+        self.corpus_checksum = corpus_checksum
+
+    def _set(self, count, dim, mesh, axis, recall_target, precision, block_rows):
         self.count, self.dim, self.mesh, self.axis = count, dim, mesh, axis
         if recall_target is None and mesh.devices.flat[0].platform == "tpu":
             recall_target = 0.95
@@ -173,8 +178,24 @@ class DeviceIndex(Index):
         if int(block_rows) < 1:
             raise ValueError(f"block_rows must be >= 1, got {block_rows}")
         self.block_rows = int(block_rows)
-        self.encoder_fingerprint = encoder_fingerprint
-        self.corpus_checksum = corpus_checksum
+
+    @classmethod
+    def abstract(cls, count: int, dim: int, dtype, mesh, axis: str = "data", **options):
+        """An index of `count` x `dim` vectors of `dtype` whose leaf is a `jax.ShapeDtypeStruct`
+        (placed as the constructor places the vectors): a program that searches it compiles,
+        e.g. for a TPU topology, without the vectors existing (`benchmarks.aot`). `options`:
+        the constructor's `recall_target`, `precision` and `block_rows`."""
+        options = {"recall_target": None, "precision": None, "block_rows": 65536, **options}
+        if axis not in mesh.shape:
+            raise ValueError(f"mesh has axes {tuple(mesh.shape)}, not {axis!r}")
+        padded = -(-count // mesh.shape[axis]) * mesh.shape[axis]
+        index = object.__new__(cls)
+        index.vectors = jax.ShapeDtypeStruct(
+            (padded, dim), dtype, sharding=NamedSharding(mesh, P(axis, None))
+        )  # -> [C', D]
+        index._set(count, dim, mesh, axis, **options)
+        index.encoder_fingerprint = index.corpus_checksum = None
+        return index
 
     def tree_flatten(self):
         return (self.vectors,), tuple(getattr(self, name) for name in self._AUX)

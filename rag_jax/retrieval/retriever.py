@@ -205,6 +205,21 @@ class Retriever:
         (`search_fn(index, questions_fn())`), else None."""
         return search_fn(self.index, questions_fn()) if self.searches_in_step(mesh) else None
 
+    def with_n_docs(self, n_docs: int) -> "Retriever":
+        """The same retriever returning `n_docs` passages per question (e.g. more at test time
+        than in training, as the paper evaluates)."""
+        if n_docs == self.n_docs:
+            return self
+        return Retriever(
+            self.index,
+            self.store,
+            self.vectors,
+            n_docs=n_docs,
+            max_combined_length=self.max_combined_length,
+            search_in_step=self.in_step,
+            verify_corpus=self.verify_corpus,
+        )
+
     def swap(self, index: Index, store: PassageStore, vectors: np.ndarray) -> "Retriever":
         """The same retriever over another corpus (hot-swap): model parameters are untouched.
         The new index must record the new store's corpus checksum (see `verify_corpus`)."""

@@ -22,6 +22,28 @@ from rag_jax.retrieval.retriever import ClosedBook, Retrieved
 from rag_jax.training.inputs import answer_labels, context_width, label_width, question_tokens
 
 
+def batch_shapes(config, rag_cfg: rag.RagConfig, batch_size: int) -> dict:
+    """The arrays of the widest training batch `Batcher.train_batch` makes (contexts S, labels T
+    wide) for `batch_size` questions, as `jax.ShapeDtypeStruct`s: what the trainer compiles
+    first, and what a compile without data is made for (`benchmarks.aot`)."""
+    n, q, d = rag_cfg.n_docs, config.data.question_length, rag_cfg.question_encoder.embedding_dim
+    shapes = {
+        "question_input_ids": ((batch_size, q), np.int32),
+        "question_attention_mask": ((batch_size, q), np.int32),
+        "doc_vectors": ((batch_size, n, d), np.float32),  # `Retriever.gather`'s float32 rows
+        "context_input_ids": ((batch_size, n, rag_cfg.max_combined_length), np.int32),
+        "context_attention_mask": ((batch_size, n, rag_cfg.max_combined_length), np.int32),
+        "labels": ((batch_size, config.data.answer_length), np.int32),
+    }
+    if config.retrieval.refresh_every:  # a trainable passage encoder re-encodes the passages
+        p = config.retrieval.passage_max_length
+        shapes["passage_input_ids"] = shapes["passage_attention_mask"] = (
+            (batch_size, n, p),
+            np.int32,
+        )
+    return {k: jax.ShapeDtypeStruct(shape, dtype) for k, (shape, dtype) in shapes.items()}
+
+
 @dataclasses.dataclass
 class TrainBatch:
     """One training batch, this process's rows."""

@@ -20,6 +20,7 @@ import functools
 import json
 import pathlib
 import time
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -60,29 +61,23 @@ def _with_width(inputs: tuple, context_width: int, label_width: int) -> tuple:
 def _check_memory(compiled, state: TrainState, exp: experiment.Experiment, mesh) -> None:
     """Prints what the compiled train step needs per device (XLA's own accounting) and raises
     before the first step runs when that exceeds the device's memory."""
-    stats = compiled.memory_analysis()
-    need = (
-        stats.argument_size_in_bytes
-        + stats.output_size_in_bytes
-        - stats.alias_size_in_bytes  # the donated state is updated in place
-        + stats.temp_size_in_bytes
-    )
-    params, opt = sharding.tree_bytes(state.params), sharding.tree_bytes(state.opt_state)
     index = getattr(exp.retriever, "index", None)  # None: closed book
     shard = -(-index.nbytes // mesh.size) if isinstance(index, DeviceIndex) else 0
     host_index = getattr(exp.retriever, "vectors", np.zeros(0)).nbytes if not shard else 0
+    layout = exp.config.train.param_sharding
+    parts = sharding.compiled_memory(
+        compiled,
+        {
+            f"parameters ({layout})": sharding.per_device_bytes(state.params),
+            "optimizer state": sharding.per_device_bytes(state.opt_state),
+            "index shard": shard,
+        },
+        rest="batch and the rest of the arguments",
+    )
+    need = parts["total"]
     limit = sharding.device_memory_limit(mesh.devices.flat[0])
     human = sharding.human_bytes
-    rows = [
-        ("parameters (replicated)", params),
-        ("optimizer state", opt),
-        ("index shard", shard),
-        ("batch and the rest of the arguments", stats.argument_size_in_bytes - params - opt),
-        ("temporaries: activations, gradients", stats.temp_size_in_bytes),
-        ("total per device", need),
-        ("device memory", limit),
-        ("host index (RAM of each host)", host_index),
-    ]
+    rows = [*parts.items(), ("device memory", limit), ("host index (RAM of each host)", host_index)]
     if jax.process_index() == 0:
         print(f"train step memory per device, from XLA ({mesh.size} devices):", flush=True)
         for name, value in rows:
@@ -90,18 +85,20 @@ def _check_memory(compiled, state: TrainState, exp: experiment.Experiment, mesh)
     if limit is not None and need > limit:
         raise ValueError(
             f"the train step needs {human(need)} per device but the device has {human(limit)} "
-            f"({human(stats.temp_size_in_bytes)} of it temporaries for "
+            f"({human(parts['temporaries'])} of it temporaries for "
             f"{exp.config.train.batch_size // mesh.size} examples per device): lower "
             "config.train.batch_size (with grad_accum to keep the global batch), set "
-            "config.model.remat=True or config.model.dtype='bfloat16', or keep the index on the "
-            "host (config.retrieval.index exact or scann)"
+            "config.model.remat=True or config.model.dtype='bfloat16', "
+            "config.train.param_sharding='fsdp', or keep the index on the host "
+            "(config.retrieval.index exact or scann)"
         )
 
 
 def _init_state(exp: experiment.Experiment, retriever, batcher: Batcher, tx, mesh) -> TrainState:
     """The state before the first step; with an in-step search, it carries the first batch's
     passages (each later step searches for the next)."""
-    params = sharding.replicate(mesh, exp.params)
+    where = sharding.param_sharding(mesh, exp.params, exp.config.train.param_sharding)
+    params = jax.device_put(exp.params, where)
     search = functools.partial(_first_search, exp.rag_cfg, params)
     first = lambda: sharding.shard_batch(mesh, batcher.question_fields(0))  # noqa: E731
     return init_state(params, tx, retriever.initial_doc_ids(search, first, mesh))
@@ -112,21 +109,53 @@ def _first_search(rag_cfg, params, index, questions):
     return search_ids(rag_cfg, params, index, questions, rag_cfg.n_docs)
 
 
-def _abstract_state(exp: experiment.Experiment, tx, mesh) -> TrainState:
-    """The shapes of the train state, replicated over `mesh`, as the target of a restore (no
-    parameter is copied, nothing is searched).
+def state_sharding(config: ml_collections.ConfigDict, mesh, state: TrainState) -> TrainState:
+    """Where each part of a train state lives: parameters and optimizer state as
+    `config.train.param_sharding` says, the step and the in-step search's ids replicated."""
+    mode, whole = config.train.param_sharding, sharding.replicated(mesh)
+    return TrainState(
+        whole,
+        sharding.param_sharding(mesh, state.params, mode),
+        sharding.param_sharding(mesh, state.opt_state, mode),
+        None if state.next_doc_ids is None else whole,
+    )
+
+
+def abstract_state(config: ml_collections.ConfigDict, params, tx, mesh, in_step: bool):
+    """The shapes of the train state placed over `mesh` (`state_sharding`): the target of a
+    restore, and the state a compile without any array is made for (`benchmarks.aot`).
 
     `jax.eval_shape` drops placements; without them a restore lands on one local device, and on
     several hosts each process would hold its own unreplicated copy.
+
+    Args:
+      params: the parameters, arrays or `jax.ShapeDtypeStruct`s.
+      in_step: the state carries the next batch's passages (`TrainState.next_doc_ids`).
     """
     next_ids = None
-    if exp.searches_in_step(mesh):
-        shape = (exp.config.train.batch_size, exp.rag_cfg.n_docs)
-        next_ids = jax.ShapeDtypeStruct(shape, jnp.int32)
-    where = sharding.replicated(mesh)
-    to_struct = lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=where)  # noqa: E731
-    shapes = jax.eval_shape(lambda: init_state(exp.params, tx, next_ids))
-    return jax.tree.map(to_struct, shapes)
+    if in_step:
+        next_ids = jax.ShapeDtypeStruct((config.train.batch_size, config.rag.n_docs), jnp.int32)
+    shapes = jax.eval_shape(lambda: init_state(params, tx, next_ids))
+    where = state_sharding(config, mesh, shapes)
+    to_struct = lambda s, w: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=w)  # noqa: E731
+    return jax.tree.map(to_struct, shapes, where)
+
+
+def make_step_fn(config: ml_collections.ConfigDict, rag_cfg, passage_cfg, tx, in_step: bool,
+                 state_where) -> Callable:  # fmt: skip
+    """The trainer's jitted train step for `config` (`step.make_train_step`), keeping the state
+    where `state_where` puts it; `in_step`: it also searches a `DeviceIndex` for the next batch."""
+    dropout_rng = jax.random.fold_in(jax.random.PRNGKey(config.seed), 1)
+    return make_train_step(
+        rag_cfg,
+        config.rag.variant,
+        tx,
+        dropout_rng,
+        config.model.deterministic,
+        passage_cfg if config.retrieval.refresh_every else None,
+        search_n_docs=rag_cfg.n_docs * in_step,
+        state_sharding=state_where,
+    )
 
 
 def restore(workdir, config: ml_collections.ConfigDict | None = None, exp=None, step=None):
@@ -146,7 +175,8 @@ def restore(workdir, config: ml_collections.ConfigDict | None = None, exp=None, 
     exp = exp or experiment.build(config, workdir, retriever=False)
     mesh = device_mesh(config)
     ckpt_root = config.train.checkpoint_dir or workdir  # e.g. gs://bucket/run
-    abstract = _abstract_state(exp, make_optimizer(config.train), mesh)
+    tx, in_step = make_optimizer(config.train), exp.searches_in_step(mesh)
+    abstract = abstract_state(config, exp.params, tx, mesh, in_step)
     with checkpoints.Checkpointer(ckpt_root, read_only=True) as ckpt:
         if step is None:
             restored = ckpt.restore_latest(abstract)
@@ -155,7 +185,7 @@ def restore(workdir, config: ml_collections.ConfigDict | None = None, exp=None, 
     if restored is None:
         raise FileNotFoundError(f"no checkpoint in {checkpoints.checkpoint_dir(ckpt_root)}")
     state, step = restored
-    passage_params = sharding.replicated_to_host(state.params["passage_encoder"])
+    passage_params = sharding.state_to_host(state.params["passage_encoder"])
     return exp.with_retriever(passage_params), state, step
 
 
@@ -242,8 +272,6 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir) -> dict:
         return {"preempted": str(stopped), "steps": 0}
     tc, variant = config.train, config.rag.variant
     tx = make_optimizer(tc)
-    rng = jax.random.PRNGKey(config.seed)
-    dropout_rng = jax.random.fold_in(rng, 1)
     batcher = Batcher(exp, mesh)
 
     init = functools.partial(_init_state, exp, exp.retriever, batcher, tx, mesh)
@@ -253,8 +281,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir) -> dict:
         max_to_keep=tc.keep_checkpoints,
         save_interval_steps=tc.save_every,
     )
-    state, restored = ckpt.restore_or_init(init, _abstract_state(exp, tx, mesh))
-    state = sharding.replicate(mesh, state)
+    in_step = exp.retriever.searches_in_step(mesh)
+    target = abstract_state(config, exp.params, tx, mesh, in_step)
+    where = jax.tree.map(lambda s: s.sharding, target)
+    state, restored = ckpt.restore_or_init(init, target)
+    state = jax.device_put(state, where)
     start = int(restored or 0)
     if restored is not None:
         print(f"resumed from checkpoint step {restored} in {ckpt.directory}", flush=True)
@@ -277,16 +308,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir) -> dict:
         logger.write(start, before, "eval/")
     print(f"before training: {json.dumps(before)}", flush=True)
 
-    in_step = exp.retriever.searches_in_step(mesh)
-    step_fn = make_train_step(
-        exp.rag_cfg,
-        variant,
-        tx,
-        dropout_rng,
-        config.model.deterministic,
-        exp.passage_cfg if config.retrieval.refresh_every else None,
-        search_n_docs=exp.rag_cfg.n_docs * in_step,
-    )
+    step_fn = make_step_fn(config, exp.rag_cfg, exp.passage_cfg, tx, in_step, where)
     totals: dict = {}
     last_log = time.perf_counter()
     bar = tqdm.tqdm(total=tc.steps, initial=start, desc="train", disable=jax.process_index() != 0)

@@ -121,7 +121,7 @@ class IndexRefresher:
             self.retriever = self.pending[1].result()
             self.pending, self.refreshes = None, self.refreshes + 1
         if step > 0 and step % self.every == 0:
-            snapshot = jax.device_get(params["passage_encoder"])  # a host copy: state is donated
+            snapshot = sharding.state_to_host(params["passage_encoder"])  # state is donated
             self._save(step, snapshot)
             self.pending = (step, self.pool.submit(self._build, snapshot))
         return self.retriever
@@ -131,7 +131,7 @@ class IndexRefresher:
         if self.pending is not None:
             self.pending[1].cancel()
             self.pending = None
-        self.retriever = self._build(jax.device_get(params["passage_encoder"]), save=True)
+        self.retriever = self._build(sharding.state_to_host(params["passage_encoder"]), save=True)
         self.refreshes += 1
         self.pool.shutdown(wait=True)
         return self.retriever

@@ -17,6 +17,7 @@ import flax
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import NamedSharding, PartitionSpec
 
 from rag_jax import rag
 
@@ -43,6 +44,7 @@ def make_step(
     dropout_rng: jax.Array | None = None,
     metrics_fn: Callable | None = None,
     search_fn: Callable | None = None,
+    state_sharding: Any = None,
 ):
     """`step(state, batch, retrieval=None) -> (state, metrics)`, jitted, the state donated.
 
@@ -54,17 +56,42 @@ def make_step(
       metrics_fn: `(loss, aux, grads) -> metrics`; default `{"loss": loss}`.
       search_fn: `(params, retrieval) -> [B, N] ids`, run after the update with the new
         parameters; its result becomes `state.next_doc_ids` (the in-step search).
+      state_sharding: the state's placement (`training.loop.state_sharding`), which the new
+        state keeps. With split parameters (`param_sharding="fsdp"`) the loss sees them
+        all-gathered once per step (in bfloat16 where the step only reads them rounded) and the
+        gradients are summed back onto the parameters' split, so each device updates its own
+        shard of the parameters and the optimizer state. Left to itself, XLA may gather a
+        weight again at each use (forward, rematerialised forward, backward) and fuse the
+        gathers into the matmuls.
     """
+    gathered = split = None
+    if state_sharding is not None:
+        split = state_sharding.params
+        leaves = jax.tree.leaves(split)
+        if not all(s.is_fully_replicated for s in leaves):
+            whole = NamedSharding(leaves[0].mesh, PartitionSpec())
+            gathered = jax.tree.map(lambda _: whole, split)
 
     def step(state: TrainState, batch, retrieval=None):
         rng = None if dropout_rng is None else jax.random.fold_in(dropout_rng, state.step)
         grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-        (loss, aux), grads = grad_fn(state.params, batch, rng)
+        params = state.params
+        if gathered is not None:
+            # One all-gather per step, kept for the forward and backward passes: without the
+            # barrier XLA re-gathers each weight at every use and holds the copies longer.
+            params = jax.lax.with_sharding_constraint(params, gathered)
+            params = jax.lax.optimization_barrier(params)
+        (loss, aux), grads = grad_fn(params, batch, rng)
+        if gathered is not None:
+            grads = jax.lax.with_sharding_constraint(grads, split)  # reduce-scatter
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         metrics = {"loss": loss} if metrics_fn is None else metrics_fn(loss, aux, grads)
         next_ids = state.next_doc_ids if search_fn is None else search_fn(params, retrieval)
-        return TrainState(state.step + 1, params, opt_state, next_ids), metrics
+        new_state = TrainState(state.step + 1, params, opt_state, next_ids)
+        if state_sharding is not None:
+            new_state = jax.lax.with_sharding_constraint(new_state, state_sharding)
+        return new_state, metrics
 
     return jax.jit(step, donate_argnums=0)
 
@@ -99,26 +126,8 @@ def rag_metrics(loss, aux, grads) -> dict:
     }
 
 
-def make_train_step(
-    rag_cfg: rag.RagConfig,
-    variant: str,
-    tx,
-    dropout_rng,
-    deterministic: bool,
-    passage_cfg=None,
-    search_n_docs: int = 0,
-):
-    """The joint step `train_step(state, batch, retrieval=None) -> (state, metrics)`.
-
-    `passage_cfg` is needed when batches carry passage tokens (a trainable passage encoder).
-
-    With `search_n_docs` = N > 0 the step also retrieves for the next batch: `retrieval` is
-    `(index, next_questions)`, a `DeviceIndex` on the step's mesh and the next batch's
-    question-encoder inputs (`question_tokens`, batch-sharded). After the update it embeds them
-    with the *updated* question encoder (the one the next step trains) and searches the index, so
-    the next batch's passages are the same as a search between the steps would find, without a
-    host round trip; they are returned in `state.next_doc_ids`.
-    """
+def joint_loss_fn(rag_cfg: rag.RagConfig, variant: str, passage_cfg=None) -> Callable:
+    """The joint step's `loss_fn(params, batch, rng) -> (loss, aux)` over a training batch."""
 
     def loss_fn(params, batch, rng):
         # Token leaves travel as [B, N, L] so every leaf shards over B; the loss takes [B * N, L].
@@ -128,6 +137,33 @@ def make_train_step(
                 flat[key] = batch[key].reshape(-1, batch[key].shape[-1])  # -> [B * N, L]
         return rag.loss_fn(rag_cfg, params, flat, variant, rng, passage_cfg)
 
+    return loss_fn
+
+
+def make_train_step(
+    rag_cfg: rag.RagConfig,
+    variant: str,
+    tx,
+    dropout_rng,
+    deterministic: bool,
+    passage_cfg=None,
+    search_n_docs: int = 0,
+    state_sharding=None,
+):
+    """The joint step `train_step(state, batch, retrieval=None) -> (state, metrics)`.
+
+    `passage_cfg` is needed when batches carry passage tokens (a trainable passage encoder).
+    `state_sharding` is the state's placement, kept by the new state (`make_step`).
+
+    With `search_n_docs` = N > 0 the step also retrieves for the next batch: `retrieval` is
+    `(index, next_questions)`, a `DeviceIndex` on the step's mesh and the next batch's
+    question-encoder inputs (`question_tokens`, batch-sharded). After the update it embeds them
+    with the *updated* question encoder (the one the next step trains) and searches the index, so
+    the next batch's passages are the same as a search between the steps would find, without a
+    host round trip; they are returned in `state.next_doc_ids`.
+    """
+
+    loss_fn = joint_loss_fn(rag_cfg, variant, passage_cfg)
     search_fn = None
     if search_n_docs:
 
@@ -141,6 +177,7 @@ def make_train_step(
         dropout_rng=None if deterministic else dropout_rng,
         metrics_fn=rag_metrics,
         search_fn=search_fn,
+        state_sharding=state_sharding,
     )
 
 

@@ -1,0 +1,158 @@
+"""The trainer's programs compiled by the TPU compiler for a 2x2 v5e topology, on this CPU host:
+the report's invariants on a tiny config (memory parts add up and match the arguments, XLA's
+FLOPs agree with the analytic count, the in-step search moves nothing to the host, fsdp splits
+the state), what an unfittable config reports, and the command line's one-line errors.
+
+Needs `libtpu` (`pip install 'rag_jax[tpu]'`); CI installs it and sets RAG_JAX_REQUIRE_LIBTPU=1
+so that these tests cannot silently skip there.
+"""
+
+import math
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import pytest
+
+from benchmarks import aot
+from rag_jax import sharding
+from rag_jax.training import loop
+from tiny_runs import tiny_config
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+TOPOLOGY = "v5e:2x2"
+
+if not aot.has_libtpu():
+    if os.environ.get("RAG_JAX_REQUIRE_LIBTPU") == "1":
+        raise RuntimeError("RAG_JAX_REQUIRE_LIBTPU=1 but libtpu is not installed")
+    pytest.skip("libtpu is not installed (pip install 'rag_jax[tpu]')", allow_module_level=True)
+
+
+def _config(**overrides):
+    return tiny_config(**{"train.batch_size": 8, "eval.batch_size": 8, **overrides})
+
+
+@pytest.fixture(scope="module")
+def target():
+    return aot.target(TOPOLOGY)
+
+
+@pytest.fixture(scope="module")
+def rows(target):
+    """Train steps: host index replicated and fsdp, in-step index replicated; generation."""
+    out = {}
+    for layout in ("replicated", "fsdp"):
+        p = aot.plan(_config(**{"train.param_sharding": layout}))
+        out[layout] = aot.train_row(p, target, 8, in_step=False)
+        if layout == "replicated":
+            out["in_step"] = aot.train_row(p, target, 8, in_step=True)
+            out["generate"] = aot.generate_row(p, target, 8, "token", num_beams=4)
+            out["plan"] = p
+    return out
+
+
+def test_the_topology(target):
+    assert target.chips == 4 and target.kind == "TPU v5 lite" and target.hosts == 1
+    assert 15 * 2**30 < target.hbm_bytes <= 16 * 2**30  # v5e: 16 GiB, less what XLA keeps
+    assert target.peaks["tflops"] == 197.0 and target.peaks["gbps"] == 819.0
+
+
+@pytest.mark.parametrize("name", ["replicated", "fsdp", "in_step", "generate"])
+def test_memory_parts_add_up_and_match_the_arguments(rows, name):
+    row = rows[name]
+    memory = row["memory"]
+    assert row["fits"] and memory["total"] == sum(v for k, v in memory.items() if k != "total")
+    assert all(v >= 0 for v in memory.values()), memory
+    # XLA's argument bytes are the named arguments plus the rest (the step counter, the padding
+    # of arrays to (8, 128) tiles): never less; unsplit 64-wide arrays at most double.
+    named = sum(row["arguments"].values())
+    assert memory["other arguments"] >= 0
+    if name != "fsdp":  # fsdp's 16-wide shards pad far more, in this tiny model only
+        assert memory["other arguments"] <= named
+    p = rows["plan"]
+    whole = sharding.tree_bytes(p.params)
+    if name == "fsdp":  # every array with a dimension 4 divides is split four ways
+        assert row["arguments"]["parameters"] < 0.3 * whole
+    else:
+        assert row["arguments"]["parameters"] == whole
+
+
+def test_xla_flops_agree_with_the_analytic_count(rows):
+    for name in ("replicated", "fsdp", "in_step"):
+        flops = rows[name]["flops"]
+        assert flops["agree_within_10pct"], flops
+        assert 0.9 <= flops["xla"] / flops["analytic_as_xla_counts"] <= 1.1
+    assert rows["in_step"]["flops"]["search"] > 0
+
+
+def test_the_in_step_search_moves_nothing_to_the_host(rows):
+    row = rows["in_step"]
+    assert row["host_transfers"] == []
+    p = rows["plan"]
+    rows_per_chip = math.ceil(p.index["rows"] / 4)
+    assert row["arguments"]["index shard"] == rows_per_chip * p.index["dim"] * 4  # float32
+
+
+def test_gradients_are_all_reduced_or_reduce_scattered(rows):
+    replicated, fsdp = rows["replicated"]["collectives"], rows["fsdp"]["collectives"]
+    trainable = replicated["trainable_f32_bytes"]
+    # One all-reduce of the trainable gradients (float32 here) and the metrics; XLA leaves out
+    # the rows of the position tables no token reaches (their gradient is zero).
+    assert 0.9 * trainable <= replicated["gradient_sync_bytes"] <= 1.1 * trainable
+    assert set(replicated["by_dtype"]) == {"all-reduce f32"}
+    # fsdp: the parameters all-gathered where the step uses them (in bfloat16 where the TPU's
+    # matmuls round them anyway), the gradients summed back onto their shards.
+    assert fsdp["all-gather"] >= 0.5 * trainable, fsdp
+    assert 0.75 * trainable <= fsdp["gradient_sync_bytes"] <= 1.1 * trainable, fsdp
+
+
+def test_roofline_is_the_slower_of_compute_and_memory(rows, target):
+    roof = rows["replicated"]["roofline"]
+    assert roof["step_s"] == max(roof["compute_s"], roof["memory_s"])
+    flops = rows["replicated"]["flops"]
+    assert roof["compute_s"] == pytest.approx(flops["executed"] / (197e12))
+
+
+def test_a_config_that_cannot_fit_says_which_part_and_what_would(target):
+    """An index of 2^30 float32 vectors of 64 (64 GiB per chip on 4) cannot sit in 16 GB."""
+    p = aot.plan(_config(**{"retrieval.index_rows": 2**30, "retrieval.index_dtype": "float32"}))
+    row = aot.train_row(p, target, 8, in_step=True)
+    assert not row["fits"] and "xla_error" in row  # the compiler's refusal, as a result
+    tips = aot.advice(row, target, [])
+    assert tips["largest_part"] == "index shard"
+    assert tips["over_by_bytes"] == tips["needed_bytes"] - target.hbm_bytes > 40 * 2**30
+    assert tips["chips_needed_at_least"] >= 2**30 * 64 * 4 // target.hbm_bytes
+    assert "more than the 15.75 GiB of HBM per chip" in tips["why"]
+
+
+def _cli(*args):
+    return subprocess.run(
+        [sys.executable, str(ROOT / "experiments" / "tpu_compile.py"),
+         f"--config={ROOT / 'experiments' / 'configs' / 'default.py'}", *args],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+
+
+def test_bad_input_ends_with_one_line():
+    bad_batch = _cli(f"--topology={TOPOLOGY}", "--config.train.batch_size=6")
+    assert bad_batch.returncode == 2
+    line = bad_batch.stderr.strip().splitlines()[-1]
+    assert line.startswith("error: config.train.batch_size 6 does not split over the 4 chips")
+    assert "use a multiple of 4 (e.g. 4 or 8)" in line
+    unknown = _cli("--topology=v5e:3x3")
+    assert unknown.returncode == 2
+    assert (
+        unknown.stderr.strip()
+        .splitlines()[-1]
+        .startswith("error: libtpu refused TPU topology 'v5e:3x3'")
+    )
+
+
+def test_the_state_compiled_for_is_the_trainers(rows):
+    """The compile's state placement is `loop.abstract_state`'s, the restore target."""
+    p = rows["plan"]
+    mesh = sharding.data_mesh(jax.devices()[:1])
+    state = loop.abstract_state(p.config, p.params, p.tx, mesh, in_step=False)
+    assert sharding.per_device_bytes(state.params) == rows["replicated"]["arguments"]["parameters"]
