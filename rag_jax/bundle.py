@@ -100,14 +100,7 @@ class _Knowledge:
         if n_docs == r.n_docs:
             return r
         if n_docs not in self.by_n_docs:
-            self.by_n_docs[n_docs] = Retriever(
-                r.index,
-                r.store,
-                r.vectors,
-                n_docs=n_docs,
-                max_combined_length=r.max_combined_length,
-                keep_question=r.keep_question,
-            )
+            self.by_n_docs[n_docs] = r.with_n_docs(n_docs)
         return self.by_n_docs[n_docs]
 
 

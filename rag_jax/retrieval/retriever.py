@@ -208,31 +208,26 @@ class Retriever:
     def with_n_docs(self, n_docs: int) -> "Retriever":
         """The same retriever returning `n_docs` passages per question (e.g. more at test time
         than in training, as the paper evaluates)."""
-        if n_docs == self.n_docs:
-            return self
-        return Retriever(
-            self.index,
-            self.store,
-            self.vectors,
-            n_docs=n_docs,
-            max_combined_length=self.max_combined_length,
-            search_in_step=self.in_step,
-            verify_corpus=self.verify_corpus,
-        )
+        return self if n_docs == self.n_docs else self._replace(n_docs=n_docs)
 
     def swap(self, index: Index, store: PassageStore, vectors: np.ndarray) -> "Retriever":
         """The same retriever over another corpus (hot-swap): model parameters are untouched.
         The new index must record the new store's corpus checksum (see `verify_corpus`)."""
-        return Retriever(
-            index,
-            store,
-            vectors,
+        return self._replace(index=index, store=store, vectors=vectors)
+
+    def _replace(self, **changes) -> "Retriever":
+        """A new retriever with this one's settings, but for `changes` (constructor arguments)."""
+        args = dict(
+            index=self.index,
+            store=self.store,
+            vectors=self.vectors,
             n_docs=self.n_docs,
             max_combined_length=self.max_combined_length,
             search_in_step=self.in_step,
             verify_corpus=self.verify_corpus,
             keep_question=self.keep_question,
         )
+        return Retriever(**(args | changes))
 
 
 class ClosedBook:

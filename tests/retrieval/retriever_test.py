@@ -49,6 +49,21 @@ def test_a_hot_swap_to_an_index_of_another_corpus_is_refused(two_corpora, tmp_pa
     assert swapped.store is new and swapped.n_docs == 2
 
 
+def test_a_swapped_or_widened_retriever_keeps_every_setting(two_corpora):
+    """`swap` and `with_n_docs` change only what they say: contexts are assembled as before."""
+    old, new, vectors = two_corpora
+    settings = dict(search_in_step=True, verify_corpus=True, keep_question=True)
+    live = _retriever(
+        index.ExactIndex(vectors, corpus_checksum=old.checksum), old, vectors, **settings
+    )
+    wide = live.with_n_docs(3)
+    swapped = live.swap(index.ExactIndex(vectors, corpus_checksum=new.checksum), new, vectors)
+    assert live.with_n_docs(2) is live and wide.n_docs == 3 and swapped.n_docs == 2
+    for other in (wide, swapped):
+        assert (other.in_step, other.verify_corpus, other.keep_question) == (True, True, True)
+        assert other.max_combined_length == live.max_combined_length
+
+
 def test_an_index_of_unknown_provenance_needs_the_explicit_override(two_corpora):
     old, _, vectors = two_corpora
     anonymous = index.ExactIndex(vectors)  # built without a corpus checksum
