@@ -20,6 +20,9 @@ from rag_jax import bundle, synthetic
 from rag_jax.training import loop
 from tiny_runs import tiny_config
 
+# 3-4 minutes on 2 cores (a trained run, two servers compiling): run with `-m slow`.
+pytestmark = pytest.mark.slow
+
 REPO = pathlib.Path(__file__).resolve().parents[2]
 MAX_BATCH = 4  # the edit server's (its warm-up compiles buckets 1, 2 and 4)
 # A tiny run (the default job at 12 entities, 6 joint steps) whose generator reads: the default
@@ -381,7 +384,7 @@ def test_edits_under_load_fail_no_request_and_are_seen_by_every_later_answer(ser
 def test_the_page_shows_the_answer_its_passages_and_coloured_tokens(servers, run, tmp_path):
     chromium = shutil.which("chromium") or shutil.which("chromium-browser")
     if chromium is None:
-        pytest.skip(reason="chromium is not installed (apt-get install -y chromium; .ci/run does)")
+        pytest.skip(reason="chromium is not installed (apt-get install -y chromium)")
     url, reference = servers["edits"].url, servers["reference"]
     question = next(
         q for q in _questions(run, 12) if reference.answer([q], variant="token")[0].answer
