@@ -34,7 +34,7 @@ import numpy as np
 
 import feedback_study
 from rag_jax import evaluation, host, settings, sharding
-from rag_jax.retrieval import encode, files
+from rag_jax.retrieval import files
 from rag_jax.retrieval.build import workdir_store
 from rag_jax.retrieval.index import ExactIndex
 from rag_jax.training import loop, salient
@@ -60,26 +60,14 @@ def hot_swap(workdir: pathlib.Path, count: int, seed: int) -> dict:
     store = exp.retriever.store
     passages = [store.passage(i) for i in range(len(store))]
     corpus, new, old = salient.edit_answers(passages, exp.eval, count, seed)
-    layout = {"prefix": exp.rag_cfg.prefix or "", "title_sep": exp.rag_cfg.title_sep}
-    layout["doc_sep"] = exp.rag_cfg.doc_sep
     edited_store = workdir_store(
-        corpus, exp.generator_tokenizer, workdir / "hot_swap_passages", layout
+        corpus, exp.generator_tokenizer, workdir / "hot_swap_passages", exp.rag_cfg.context_layout
     )
     # Only the edited paragraphs are encoded again, with the run's own passage encoder.
     encoder = exp.passage_encoder(sharding.replicated_to_host(state.params["passage_encoder"]))
     rows = [i for i, (a, b) in enumerate(zip(passages, corpus)) if a != b]
     vectors = np.array(exp.retriever.vectors, np.float32)
-    vectors[rows] = encode.encode_passages(
-        encoder.cfg,
-        encoder.params,
-        encoder.tokenizer,
-        [corpus[i].title for i in rows],
-        [corpus[i].text for i in rows],
-        max_length=encoder.max_length,
-        input_format=encoder.input_format,
-        batch_size=encoder.batch_size,
-        dtype="float32",
-    )
+    vectors[rows] = encoder.encode([corpus[i] for i in rows])
     index = ExactIndex(
         vectors, encoder_fingerprint=encoder.fingerprint, corpus_checksum=edited_store.checksum
     )

@@ -34,9 +34,9 @@ from collections.abc import Iterable, Sequence
 import jax
 import numpy as np
 
-from rag_jax import bundle_format, hf_export, rag, rag_math, sharding
+from rag_jax import bundle_format, hf_export, rag, rag_math
 from rag_jax.bundle_format import Settings
-from rag_jax.retrieval import encode, files
+from rag_jax.retrieval import files
 from rag_jax.retrieval.corpus import Passage, check_record, corpus_checksum
 from rag_jax.retrieval.index import ExactIndex, ScannIndex
 from rag_jax.retrieval.retriever import PassageEncoder, Retriever
@@ -516,7 +516,7 @@ class Bundle:
                 new_rows, old_rows = (np.asarray(x) for x in zip(*kept))
                 vectors[new_rows] = old_vectors[old_rows]
             if encoded:
-                vectors[encoded] = _encode(encoder, [passages[i] for i in encoded])
+                vectors[encoded] = encoder.encode([passages[i] for i in encoded])
             checksum = corpus_checksum(passages)
             old_dir = self.directory
 
@@ -664,22 +664,6 @@ def load(directory, *, verify: bool = True, fast_compile: bool = False) -> Bundl
         directory=directory,
         manifest=p.manifest,
         fast_compile=fast_compile,
-    )
-
-
-def _encode(encoder: PassageEncoder, passages: list[Passage]) -> np.ndarray:
-    """[n, D] float32 vectors of `passages`, read as `encode_store` reads a store's."""
-    return encode.encode_passages(
-        encoder.cfg,
-        encoder.params,
-        encoder.tokenizer,
-        [p.title for p in passages],
-        [p.text for p in passages],
-        max_length=encoder.max_length,
-        input_format=encoder.input_format,
-        batch_size=encoder.batch_size,
-        dtype="float32",
-        mesh=sharding.data_mesh(jax.local_devices()),
     )
 
 

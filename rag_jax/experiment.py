@@ -465,9 +465,7 @@ def build(config: ml_collections.ConfigDict, workdir, *, retriever: bool = True)
     if config.retrieval.index_dir:
         store = PassageStore.open(pathlib.Path(config.retrieval.index_dir) / "passages")
     else:
-        layout = dict(prefix=rag_cfg.prefix or "", title_sep=rag_cfg.title_sep)
-        layout["doc_sep"] = rag_cfg.doc_sep
-        store = workdir_store(passages, g_tok, workdir / "passages", layout)
+        store = workdir_store(passages, g_tok, workdir / "passages", rag_cfg.context_layout)
     _check_gold_ids(config, train, evals, store)
     if rag_cfg.n_docs > len(store):  # before any warm start runs
         raise ValueError(

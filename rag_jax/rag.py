@@ -86,6 +86,12 @@ class RagConfig:
     generation: GenerationConfig = GenerationConfig()
 
     @property
+    def context_layout(self) -> dict:
+        """How a context string is assembled: {"prefix", "title_sep", "doc_sep"}
+        (`retrieval.store.context_string`; a passage store records it)."""
+        return {"prefix": self.prefix or "", "title_sep": self.title_sep, "doc_sep": self.doc_sep}
+
+    @property
     def pad_token_id(self) -> int:
         return self.generator.pad_token_id
 

@@ -314,6 +314,22 @@ class PassageEncoder:
         """The encoder's parameter fingerprint (`encode.encoder_fingerprint`)."""
         return encode.encoder_fingerprint(self.cfg, self.params)
 
+    def encode(self, passages) -> np.ndarray:
+        """[n, D] float32 vectors of `passages` (`Passage` records), read as `encode_store`
+        reads a store's, on this process's devices."""
+        return encode.encode_passages(
+            self.cfg,
+            self.params,
+            self.tokenizer,
+            [p.title for p in passages],
+            [p.text for p in passages],
+            max_length=self.max_length,
+            input_format=self.input_format,
+            batch_size=self.batch_size,
+            dtype="float32",
+            mesh=sharding.data_mesh(jax.local_devices()),
+        )
+
     def encoding(self, store: PassageStore) -> dict:
         """Everything the vectors of `store` depend on."""
         return {

@@ -158,8 +158,7 @@ def generator(config, rag_cfg, params, tokenizer, workdir, own_world) -> dict:
 
     def compute(progress):
         passages = [Passage(p.id, p.title, p.text) for p in world.passages]
-        layout = dict(prefix=rag_cfg.prefix or "", title_sep=rag_cfg.title_sep)
-        layout["doc_sep"] = rag_cfg.doc_sep
+        layout = rag_cfg.context_layout
         store = workdir_store(passages, tokenizer, pathlib.Path(workdir) / "reader_world", layout)
         weights, log = reader.reader_warm_start(
             rag_cfg,
@@ -250,8 +249,7 @@ def _generator_on_files(config, rag_cfg, params, tokenizer, workdir) -> dict:
     }
 
     def compute(progress):
-        layout = dict(prefix=rag_cfg.prefix or "", title_sep=rag_cfg.title_sep)
-        layout["doc_sep"] = rag_cfg.doc_sep
+        layout = rag_cfg.context_layout
         store = workdir_store(
             passages, tokenizer, pathlib.Path(workdir) / "reader_passages", layout
         )
