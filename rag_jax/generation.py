@@ -199,20 +199,24 @@ def generate(
             raise ValueError("fast decoding needs num_beams > 1")
         scores = rag_math.rag_sequence_fast_scores(
             hyps.reshape(batch, n_docs, beams, length),
-            _unnormalised(hyps, hyp_scores, s, cfg).reshape(batch, n_docs, beams),
+            unnormalised(hyps, hyp_scores, s, cfg).reshape(batch, n_docs, beams),
             doc_scores,
         )
     else:
-        scores = -_rescore(
-            cfg, params, encoded, context_attention_mask, doc_scores, candidates, chunk=beams
+        score_fn = lambda part, use_bos: _thorough_nll(  # noqa: E731
+            cfg, params, encoded, context_attention_mask, doc_scores, part, use_bos
         )
-        deduplicate = False  # `_rescore` already scored the repeats -inf
+        scores = -rescore(cfg, candidates, score_fn, chunk=beams)
+        deduplicate = False  # `rescore` already scored the repeats -inf
     top, _ = rag_math.select_top_candidates(candidates, scores, num_return, deduplicate=deduplicate)
     return top[:, 0] if num_return == 1 else top
 
 
-def _rescore(cfg, params, encoded, flat_mask, doc_scores, candidates, *, chunk: int):
+def rescore(cfg, candidates, score_fn, *, chunk: int):
     """[B, M] thorough NLL of each question's candidates, repeats left at +inf when deduplicating.
+
+    `score_fn(part [B, chunk, L], use_bos [B]) -> [B, chunk]` scores a chunk of candidates
+    against all of their question's docs (`_thorough_nll` for BART; `causal` has its own).
 
     HF rescores only the distinct candidates of a question. Here the distinct ones are moved to
     the front (in order of first occurrence) and rescored `chunk` candidates at a time in a loop
@@ -241,7 +245,7 @@ def _rescore(cfg, params, encoded, flat_mask, doc_scores, candidates, *, chunk: 
 
     def body(j, nll):  # nll: [B, chunks * chunk]
         part = jax.lax.dynamic_slice_in_dim(ranked, j * chunk, chunk, axis=1)
-        value = _thorough_nll(cfg, params, encoded, flat_mask, doc_scores, part, use_bos)
+        value = score_fn(part, use_bos)
         return jax.lax.dynamic_update_slice_in_dim(nll, value.astype(nll.dtype), j * chunk, axis=1)
 
     nll = jnp.full((batch, chunks * chunk), jnp.inf, jnp.float32)
@@ -277,7 +281,7 @@ def _thorough_nll(cfg, params, encoded, flat_mask, doc_scores, candidates, use_b
     )
 
 
-def _unnormalised(hyps, scores, settings, cfg):
+def unnormalised(hyps, scores, settings, cfg):
     """Undoes the beam search's length penalty: summed log-probs of each hypothesis [B*N, K].
 
     A finished hypothesis ends at its first EOS or at `max_length`: its generated tokens are

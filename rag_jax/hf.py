@@ -580,10 +580,21 @@ def load_rag_tokenizers(path):
 # Export: `rag_jax.hf_export` builds on the name maps above; `hf.save_rag` etc. are its functions.
 # The two modules read each other's names only when called, so either may be imported first.
 
-from rag_jax import hf_export  # noqa: E402
+from rag_jax import hf_export, hf_llama  # noqa: E402
+
+# Llama-family causal LMs (`rag_jax.hf_llama`): hf.load_llama, hf.save_llama, ...
+_LLAMA = (
+    "load_llama",
+    "save_llama",
+    "llama_config_from_hf",
+    "load_llama_tokenizer",
+    "smollm2_path",
+)
 
 
 def __getattr__(name: str):
     if name in hf_export.__all__:
         return getattr(hf_export, name)
+    if name in _LLAMA:
+        return getattr(hf_llama, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

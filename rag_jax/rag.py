@@ -30,11 +30,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rag_jax import generation, rag_math
-from rag_jax.models import bart, bert
+from rag_jax import causal, generation, rag_math
+from rag_jax.models import bart, bert, llama
 
 # HF's ignore index for labels (its seq2seq losses skip these positions).
-IGNORE_INDEX = -100
+IGNORE_INDEX = causal.IGNORE_INDEX
 _TRACES: collections.Counter = collections.Counter()
 
 
@@ -68,7 +68,9 @@ class RagConfig:
     """A RAG model: its two halves and how they are joined (field names follow HF's RagConfig)."""
 
     question_encoder: bert.BertConfig
-    generator: bart.BartConfig
+    # BART (seq2seq), or a Llama-family causal LM (`rag_jax.causal`: left-padded prompt rows,
+    # labels the answer tokens + EOS, the prior added once per sequence).
+    generator: bart.BartConfig | llama.LlamaConfig
     n_docs: int = 5  # N: passages retrieved per question
     max_combined_length: int = 300  # S: generator context length (passage + question)
     title_sep: str = " / "  # between a passage's title and text in the context string
@@ -95,6 +97,11 @@ class RagConfig:
     def pad_token_id(self) -> int:
         return self.generator.pad_token_id
 
+    @property
+    def causal(self) -> bool:
+        """Whether the generator is a causal (decoder-only) LM."""
+        return causal.is_causal(self)
+
     def replace(self, **changes) -> "RagConfig":
         return dataclasses.replace(self, **changes)
 
@@ -116,9 +123,13 @@ def init_params(cfg: RagConfig, rng: jax.Array) -> dict:
     """Random parameters for both halves (shapes only depend on the configs)."""
     q_rng, g_rng = jax.random.split(rng)
     ids = jnp.zeros((1, 2), jnp.int32)
+    if cfg.causal:
+        generator = llama.init_params(cfg.generator, g_rng)
+    else:
+        generator = bart.Bart(cfg.generator).init(g_rng, ids, ids, ids)["params"]
     return {
         "question_encoder": bert.BertEncoder(cfg.question_encoder).init(q_rng, ids, ids)["params"],
-        "generator": bart.Bart(cfg.generator).init(g_rng, ids, ids, ids)["params"],
+        "generator": generator,
     }
 
 
@@ -217,8 +228,13 @@ def generator_logits(
       dropout_rng: enables dropout when given.
 
     Returns:
-      [B * N, T, V] float32.
+      [B * N, T, V] float32. For a causal generator `decoder_input_ids` are the answer labels and
+      position t predicts `decoder_input_ids[:, t]` (`causal.answer_logits`).
     """
+    if cfg.causal:
+        return causal.answer_logits(
+            cfg, params, flat_context_ids, flat_context_mask, decoder_input_ids, dropout_rng
+        )
     batch, length = decoder_input_ids.shape
     if flat_context_ids.shape[0] % batch:
         raise ValueError(
@@ -292,6 +308,10 @@ def nll(
         raise ValueError(f"variant must be 'sequence' or 'token', got {variant!r}")
     if variant == "token" and exclude_bos_score:
         raise ValueError("exclude_bos_score applies to RAG-Sequence only")
+    if cfg.causal:
+        if exclude_bos_score:
+            raise ValueError("exclude_bos_score applies to a seq2seq generator only")
+        causal.check_prompts(context_attention_mask)
     if _is_concrete(labels):
         check_labels(np.asarray(labels), cfg.generator.vocab_size)
     reduce = cfg.reduce_loss if reduce is None else bool(reduce)
@@ -347,19 +367,21 @@ def _nll(
     labels = jnp.asarray(labels, jnp.int32)
     ignored = labels == IGNORE_INDEX
     invalid = ((labels < 0) & ~ignored) | (labels >= cfg.generator.vocab_size)
+    common = dict(
+        pad_token_id=cfg.pad_token_id, n_docs=cfg.n_docs, epsilon=cfg.label_smoothing, reduce=False
+    )
+    if cfg.causal:
+        common.update(aligned=True, target_mask=_answer_mask(cfg, labels))
     labels = jnp.where(ignored, cfg.pad_token_id, labels)
     seq_logits = generator_logits(
         cfg, params, context_input_ids, context_attention_mask, labels, dropout_rng
-    )
-    common = dict(
-        pad_token_id=cfg.pad_token_id, n_docs=cfg.n_docs, epsilon=cfg.label_smoothing, reduce=False
     )
     if variant == "sequence":
         per_example = rag_math.rag_sequence_nll(
             seq_logits,
             doc_scores,
             labels,
-            bos_token_id=cfg.bos_token_id,
+            bos_token_id=None if cfg.causal else cfg.bos_token_id,
             exclude_bos_score=exclude_bos_score,
             **common,
         )
@@ -367,6 +389,11 @@ def _nll(
         per_example = rag_math.rag_token_nll(seq_logits, doc_scores, labels, **common)
     per_example = jnp.where(jnp.any(invalid, axis=1), jnp.nan, per_example)
     return per_example.sum() if reduce else per_example
+
+
+def _answer_mask(cfg: RagConfig, labels: jax.Array) -> jax.Array:
+    """[B, T] the scored positions of a causal generator's labels (`causal.label_mask`)."""
+    return causal.label_mask(labels, cfg.generator.eos_token_id, cfg.pad_token_id)
 
 
 def loss_fn(
@@ -505,6 +532,13 @@ def generate(
             f"sequence_decoding must be 'thorough' or 'fast', got {sequence_decoding!r}"
         )
     resolved = generation.resolve_settings(cfg, settings)
+    if cfg.causal:
+        causal.check_prompts(context_attention_mask)
+        if resolved["no_repeat_ngram_size"]:
+            raise ValueError(
+                "no_repeat_ngram_size is not supported with a causal generator (HF counts the "
+                "prompt's n-grams too)"
+            )
     if variant == "sequence" and sequence_decoding == "fast" and resolved["num_beams"] == 1:
         raise ValueError("fast decoding needs num_beams > 1")
     return _generate_jit(
@@ -527,6 +561,11 @@ def generate(
 )
 def _generate_jit(cfg, params, context_ids, context_mask, doc_scores, *, settings, **options):
     _TRACES["generate"] += 1
+    if cfg.causal:
+        options.pop("mask_candidate_contexts")  # a causal prompt is always masked
+        return causal.generate(
+            cfg, params, context_ids, context_mask, doc_scores, settings=dict(settings), **options
+        )
     return generation.generate(
         cfg, params, context_ids, context_mask, doc_scores, settings=dict(settings), **options
     )
@@ -572,7 +611,11 @@ def doc_posteriors(
 def _doc_posteriors_jit(cfg, params, context_ids, context_mask, doc_scores, labels):
     _TRACES["doc_posteriors"] += 1
     labels = jnp.asarray(labels, jnp.int32)
+    aligned = {}
+    if cfg.causal:
+        aligned = dict(aligned=True, target_mask=_answer_mask(cfg, labels))
+        labels = jnp.where(labels == IGNORE_INDEX, cfg.pad_token_id, labels)
     seq_logits = generator_logits(cfg, params, context_ids, context_mask, labels)
     return rag_math.doc_posteriors(
-        seq_logits, doc_scores, labels, pad_token_id=cfg.pad_token_id, n_docs=cfg.n_docs
+        seq_logits, doc_scores, labels, pad_token_id=cfg.pad_token_id, n_docs=cfg.n_docs, **aligned
     )

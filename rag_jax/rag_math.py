@@ -133,6 +133,22 @@ def _shift_left(target: jax.Array, pad_token_id: int) -> jax.Array:
     return jnp.concatenate([target[:, 1:], pad], axis=1)
 
 
+def _scored(target: jax.Array, pad_token_id: int, target_mask: jax.Array | None) -> jax.Array:
+    """[B, T] bool: the positions that count, `target_mask` or else those not predicting pad."""
+    if target_mask is None:
+        return target != pad_token_id
+    if target_mask.shape != target.shape:
+        raise ValueError(
+            f"target_mask {tuple(target_mask.shape)} must be [B, T] = {tuple(target.shape)}"
+        )
+    return target_mask.astype(bool)
+
+
+def _align(target, pad_token_id, aligned: bool):
+    """The targets the logits predict: shifted left (decoder inputs), or as given (`aligned`)."""
+    return target if aligned else _shift_left(target, pad_token_id)
+
+
 def _smoothing(epsilon) -> bool:
     """Whether the label-smoothing term is needed (a Python 0 skips its [.., V] sums)."""
     return not (isinstance(epsilon, int | float) and epsilon == 0)
@@ -163,6 +179,8 @@ def _sequence_doc_terms(
     skip_first: jax.Array,
     pad_token_id: int,
     smoothing: bool = True,
+    target_mask: jax.Array | None = None,
+    prior_at: int = 1,
 ) -> tuple[jax.Array, jax.Array | None]:
     """Per-doc RAG-Sequence log-likelihood and smoothing sums.
 
@@ -171,8 +189,10 @@ def _sequence_doc_terms(
       doc_scores: [B, N].
       target: [B, T] shifted-left targets.
       skip_first: [B] bool, whether position 0 is left out of the likelihood of each row.
-      pad_token_id: positions whose target is this id are masked.
+      pad_token_id: positions whose target is this id are masked (unless `target_mask` is given).
       smoothing: compute the smoothing sums (otherwise None is returned for them).
+      target_mask: [B, T] bool, the scored positions, instead of `target != pad_token_id`.
+      prior_at: the position whose log-probabilities carry the prior (BART: 1; causal: 0).
 
     Returns:
       ll: [B, N] `log p(z|x) + sum_t log p(y_t|x, z, y_<t)` over scored positions (the prior
@@ -187,10 +207,10 @@ def _sequence_doc_terms(
 
     # The prior enters at position 1 only. `where` rather than a multiplication by a one-hot keeps
     # a doc scored -inf (masked out) from turning the other positions into NaN.
-    at_prior = (jnp.arange(length) == 1)[None, None, :]  # [1, 1, T]
+    at_prior = (jnp.arange(length) == prior_at)[None, None, :]  # [1, 1, T]
     prior = jnp.where(at_prior, doc_logprobs[:, :, None], 0.0)  # -> [B, N, T]
 
-    not_pad = (target != pad_token_id)[:, None, :]  # [B, 1, T]
+    not_pad = _scored(target, pad_token_id, target_mask)[:, None, :]  # [B, 1, T]
     scored = not_pad & ~(skip_first[:, None, None] & (jnp.arange(length) == 0))  # [B, 1, T]
     if not smoothing:
         token_ll, _ = _token_logprobs(seq_logits, target)  # -> [B, N, T]
@@ -229,8 +249,14 @@ def rag_sequence_nll(
     epsilon: float = 0.0,
     exclude_bos_score: bool = False,
     reduce: bool = False,
+    aligned: bool = False,
+    target_mask: jax.Array | None = None,
 ) -> jax.Array:
     """RAG-Sequence negative log-likelihood (HF `RagSequenceForGeneration.get_nll`).
+
+    With `aligned` (a causal generator), `seq_logits[:, t]` predict `target[:, t]` itself (the
+    answer tokens, no shift) and the prior is added once, at position 0; `target_mask` then says
+    which positions are scored (a causal LM's pad id is often its EOS).
 
     Args:
       seq_logits: [B * N, T, V] generator logits (unnormalised; log-softmaxed here), row `b * N + n`
@@ -244,12 +270,16 @@ def rag_sequence_nll(
       exclude_bos_score: leave the BOS token's log-probability out of the likelihood, when every
         row's first predicted token is BOS.
       reduce: sum the loss over the batch.
+      aligned: the logits predict the targets as given (see above).
+      target_mask: [B, T] bool scored positions, instead of `target != pad_token_id`.
 
     Returns:
       [B] per-question loss, or a scalar sum when `reduce`.
     """
     batch, _, _, vocab = _check_nll_inputs(seq_logits, doc_scores, target, n_docs)
-    target = _shift_left(target, pad_token_id)
+    target = _align(target, pad_token_id, aligned)
+    if exclude_bos_score and aligned:
+        raise ValueError("exclude_bos_score applies to a seq2seq generator's targets only")
     if exclude_bos_score and bos_token_id is not None:
         # Batch-wide: a single row not starting with BOS disables the exclusion for every row.
         use_bos = jnp.all(target[:, 0] == bos_token_id)
@@ -257,7 +287,14 @@ def rag_sequence_nll(
         use_bos = jnp.zeros((), bool)
     skip_first = jnp.broadcast_to(use_bos, (batch,))
     ll, smooth = _sequence_doc_terms(
-        seq_logits, doc_scores, target, skip_first, pad_token_id, _smoothing(epsilon)
+        seq_logits,
+        doc_scores,
+        target,
+        skip_first,
+        pad_token_id,
+        _smoothing(epsilon),
+        target_mask,
+        prior_at=0 if aligned else 1,
     )
     nll = -jax.nn.logsumexp(ll, axis=1)  # [B]
     if smooth is not None:
@@ -294,8 +331,12 @@ def rag_token_nll(
     n_docs: int,
     epsilon: float = 0.0,
     reduce: bool = False,
+    aligned: bool = False,
+    target_mask: jax.Array | None = None,
 ) -> jax.Array:
     """RAG-Token negative log-likelihood (HF `RagTokenForGeneration.get_nll`).
+
+    `aligned` and `target_mask` as in `rag_sequence_nll` (a causal generator's answer tokens).
 
     Args:
       seq_logits: [B * N, T, V] generator logits (unnormalised), row `b * N + n`.
@@ -310,8 +351,8 @@ def rag_token_nll(
       [B] per-question loss, or a scalar sum when `reduce`.
     """
     batch, _, length, vocab = _check_nll_inputs(seq_logits, doc_scores, target, n_docs)
-    target = _shift_left(target, pad_token_id)
-    not_pad = target != pad_token_id
+    target = _align(target, pad_token_id, aligned)
+    not_pad = _scored(target, pad_token_id, target_mask)
     if not _smoothing(epsilon):
         # Only the targets' mixture probabilities are needed: mix the N docs' [B, N, T] target
         # log-probs instead of whole [B, N, T, V] distributions.
@@ -361,8 +402,13 @@ def rag_sequence_thorough_nll(
     n_docs: int,
     epsilon: float = 0.0,
     use_bos: jax.Array | None = None,
+    aligned: bool = False,
+    target_mask: jax.Array | None = None,
 ) -> jax.Array:
     """Losses by which RAG-Sequence thorough decoding ranks candidates, for a batch of questions.
+
+    With `aligned` (a causal generator) the candidates are answer tokens the logits predict as
+    given, scored where `target_mask` [B, M, T] says, the prior once at position 0, no BOS rule.
 
     HF rescores all the (distinct) candidates of one question at once with
     `exclude_bos_score=True`; BOS detection is thus per question, over all of its candidates,
@@ -396,14 +442,24 @@ def rag_sequence_thorough_nll(
     flat_doc_scores = jnp.repeat(doc_scores, num_candidates, axis=0)  # -> [B * M, N]
     flat_target = candidates.reshape(batch * num_candidates, length)  # -> [B * M, T]
     _, _, _, vocab = _check_nll_inputs(flat_seq_logits, flat_doc_scores, flat_target, n_docs)
-    flat_target = _shift_left(flat_target, pad_token_id)
-    if use_bos is None:
+    flat_target = _align(flat_target, pad_token_id, aligned)
+    flat_mask = None if target_mask is None else target_mask.reshape(flat_target.shape)
+    if aligned:
+        use_bos = jnp.zeros((batch,), bool)
+    elif use_bos is None:
         use_bos = candidates_start_with_bos(candidates, bos_token_id)  # [B]
     elif use_bos.shape != (batch,):
         raise ValueError(f"use_bos {tuple(use_bos.shape)} must be [B] = [{batch}]")
     skip_first = jnp.repeat(use_bos, num_candidates)  # -> [B * M]
     ll, smooth = _sequence_doc_terms(
-        flat_seq_logits, flat_doc_scores, flat_target, skip_first, pad_token_id, _smoothing(epsilon)
+        flat_seq_logits,
+        flat_doc_scores,
+        flat_target,
+        skip_first,
+        pad_token_id,
+        _smoothing(epsilon),
+        flat_mask,
+        prior_at=0 if aligned else 1,
     )
     nll = -jax.nn.logsumexp(ll, axis=1)  # [B * M]
     if smooth is not None:
@@ -513,8 +569,13 @@ def doc_posteriors(
     *,
     pad_token_id: int,
     n_docs: int,
+    aligned: bool = False,
+    target_mask: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Which retrieved doc an answer, and each of its tokens, came from (the paper's provenance).
+
+    With `aligned` (a causal generator), `target` holds the answer tokens the logits predict as
+    given and row t of `token_posteriors` is that of `target[:, t]`; `target_mask` the scored ones.
 
     - `posterior[b, z] = p(z|x, y) ∝ p(z|x) prod_t p(y_t|x, z, y_<t)`: RAG-Sequence's posterior
       of the one doc that produced the whole answer.
@@ -539,9 +600,9 @@ def doc_posteriors(
         sums to 1, or is all zeros where that token is a pad (the last row always is).
     """
     batch, _, length, vocab = _check_nll_inputs(seq_logits, doc_scores, target, n_docs)
-    target = _shift_left(target, pad_token_id)
+    target = _align(target, pad_token_id, aligned)
     token_lp, _ = _token_logprobs(seq_logits.reshape(batch, n_docs, length, vocab), target)
-    scored = (target != pad_token_id)[:, None, :]  # [B, 1, T]
+    scored = _scored(target, pad_token_id, target_mask)[:, None, :]  # [B, 1, T]
     token_lp = jnp.where(scored, token_lp, 0.0)  # -> [B, N, T]
     doc_logprobs = jax.nn.log_softmax(doc_scores.astype(token_lp.dtype), axis=1)  # [B, N]
     posterior = jax.nn.softmax(doc_logprobs + token_lp.sum(axis=2), axis=1)

@@ -27,7 +27,7 @@ NO_BOS_GEN = {k: v for k, v in GEN.items() if k != "forced_bos_token_id"}
 
 @pytest.mark.parametrize("deduplicate", [True, False])
 def test_thorough_rescoring_scores_each_distinct_candidate_once(models, deduplicate):
-    """`_rescore` (distinct candidates first, a chunked loop that stops after the last distinct
+    """`rescore` (distinct candidates first, a chunked loop that stops after the last distinct
     one) against `_thorough_nll` over every candidate in one pass."""
     variant, _, cfg, params = models
     if variant != "sequence":
@@ -52,7 +52,9 @@ def test_thorough_rescoring_scores_each_distinct_candidate_once(models, deduplic
     )
     for chunk in (1, 2, 3, 7):
         got = np.asarray(
-            generation._rescore(cfg, params, encoded, mask, doc_scores, candidates, chunk=chunk)
+            generation.rescore(
+                cfg, candidates, _thorough(cfg, params, encoded, mask, doc_scores), chunk=chunk
+            )
         )
         scored = first if deduplicate else np.ones_like(first)
         np.testing.assert_allclose(got[scored], want[scored], rtol=1e-5, atol=1e-5)
@@ -111,8 +113,11 @@ def test_bos_exclusion_is_decided_once_per_question_like_hf(no_forced_bos):
     mask, scores = jnp.asarray(x["context_attention_mask"]), jnp.asarray(x["doc_scores"])
     for chunk in (2, 3, 6):
         got = np.asarray(
-            generation._rescore(
-                cfg, params, encoded, mask, scores, jnp.asarray(candidates), chunk=chunk
+            generation.rescore(
+                cfg,
+                jnp.asarray(candidates),
+                _thorough(cfg, params, encoded, mask, scores),
+                chunk=chunk,
             )
         )
         for b in range(B):
@@ -237,7 +242,7 @@ def test_unnormalised_counts_every_generated_token_of_a_hypothesis_without_eos()
         ]
     )
     scores = jnp.asarray([[-1.0, -2.0], [-3.0, -4.0]])
-    got = generation._unnormalised(hyps, scores, {"length_penalty": 0.8}, cfg)
+    got = generation.unnormalised(hyps, scores, {"length_penalty": 0.8}, cfg)
     lengths = np.array([[3, 4], [4, 2]], np.float32)
     np.testing.assert_allclose(got, np.asarray(scores) * lengths**0.8, rtol=1e-6)
 
@@ -269,7 +274,7 @@ def test_fast_decoding_scores_are_the_hypotheses_log_likelihoods(models):
         cfg, params, encoded, mask, per_doc, batch=B * N, docs_per_row=1
     )  # -> [B * N, K, L]
     assert (np.asarray(hyps)[:, :, 1:-1] == gen.pad_token_id).any()  # the case under test
-    got = np.asarray(generation._unnormalised(hyps, hyp_scores, settings, cfg))  # [B * N, K]
+    got = np.asarray(generation.unnormalised(hyps, hyp_scores, settings, cfg))  # [B * N, K]
     # Teacher forcing: log p(y | x, z) of each hypothesis read against its own doc.
     flat = np.asarray(hyps).reshape(B * N * 3, -1)
     logits = bart.Bart(gen).apply(
@@ -306,3 +311,10 @@ def test_public_entry_points_compile_once_per_shape(models):
     assert rag.trace_counts() == before  # no retrace: one program each, cached
     rag.generate(cfg, params, *args, variant=variant, num_beams=3, **GEN)  # other settings
     assert rag.trace_counts()["generate"] == before["generate"] + 1
+
+
+def _thorough(cfg, params, encoded, mask, doc_scores):
+    """BART's thorough score function, as `generation.generate` hands it to `rescore`."""
+    return lambda part, use_bos: generation._thorough_nll(
+        cfg, params, encoded, mask, doc_scores, part, use_bos
+    )

