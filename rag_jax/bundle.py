@@ -521,6 +521,7 @@ class Bundle:
             old_dir = self.directory
 
             layout = {k: store.manifest[k] for k in ("prefix", "title_sep", "doc_sep")}
+            layout["suffix"] = store.manifest.get("suffix", "")
 
             def write_fn(tmp):
                 tmp = pathlib.Path(tmp)

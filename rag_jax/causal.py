@@ -1,9 +1,10 @@
 """A causal (decoder-only) generator behind RAG: answer likelihoods and decoding.
 
-Each of a question's N contexts is a prompt row (passage and question, laid out by the store's
-template), **left-padded** so that every row's last column is its last real token; the answer
-follows it. `labels` are the answer tokens and EOS, padded (with the pad id or HF's ignore
-index `-100`). Logits are aligned with the labels: position t of `answer_logits` predicts
+Each of a question's N contexts is a prompt row (passage, question and answer cue, as the
+passage store lays them out), its real tokens contiguous: right-padded rows (the store's layout)
+are left-aligned here (`left_align`), so that every row's last column is its last real token and
+the answer follows it. `labels` are the answer tokens and EOS, padded (with the pad id or HF's
+ignore index `-100`). Logits are aligned with the labels: position t of `answer_logits` predicts
 `labels[:, t]`, the first one read off the prompt's last position.
 
 Decoding keeps every prompt's keys and values once (`llama.Prefix`: the prompt less its last
@@ -46,16 +47,34 @@ def label_mask(labels: jax.Array, eos_token_id: int, pad_token_id: int) -> jax.A
 
 
 def check_prompts(context_attention_mask) -> None:
-    """Refuses prompts that are not left-padded (when the mask is concrete)."""
+    """Refuses prompt rows whose real tokens are not one contiguous run starting or ending the
+    row (checked when the mask is concrete)."""
     if isinstance(context_attention_mask, jax.core.Tracer):
         return
-    last = np.asarray(context_attention_mask)[:, -1]
-    if not np.all(last == 1):
-        row = int(np.argmin(last))
+    mask = np.asarray(context_attention_mask).astype(bool)
+    starts = np.diff(mask.astype(np.int8), axis=1, prepend=0, append=0)
+    runs = (starts == 1).sum(axis=1)
+    touches = mask[:, 0] | mask[:, -1]
+    bad = (runs != 1) | ~touches
+    if bad.any():
+        row = int(np.argmax(bad))
         raise ValueError(
-            f"context_attention_mask row {row} ends in padding: a causal generator's prompts "
-            "must be left-padded (their last column a real token)"
+            f"context_attention_mask row {row} is {mask[row].astype(int).tolist()}: a causal "
+            "generator's prompt must be one run of real tokens, padded on the left or the right"
         )
+
+
+def left_align(flat_ids: jax.Array, flat_mask: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Right-padded rows [E, S] rolled so that their padding is on the left (left-padded rows
+    are kept as they are)."""
+    width = flat_ids.shape[1]
+    real = jnp.sum(flat_mask, axis=1)
+    shift = jnp.where(flat_mask[:, -1] == 1, 0, width - real)  # -> [E]
+    index = (jnp.arange(width)[None, :] - shift[:, None]) % width
+    return (
+        jnp.take_along_axis(flat_ids, index, axis=1),
+        jnp.take_along_axis(flat_mask, index, axis=1),
+    )
 
 
 def _model(cfg) -> llama.Llama:
@@ -70,7 +89,7 @@ def answer_logits(
     Args:
       cfg: the RAG config (its generator a `LlamaConfig`).
       params: RAG parameters.
-      flat_context_ids: [B * N, S] left-padded prompts, row b * N + n.
+      flat_context_ids: [B * N, S] prompts (padded on either side), row b * N + n.
       flat_context_mask: [B * N, S].
       labels: [B, T] answer token ids (pad in place of the ignore index).
       dropout_rng: unused (the Llama decoder has no dropout); accepted for one signature.
@@ -91,6 +110,7 @@ def answer_logits(
             f"prompts of {prompt} tokens and labels of {length} exceed the generator's "
             f"max_position_embeddings={cfg.generator.max_position_embeddings}"
         )
+    flat_context_ids, flat_context_mask = left_align(flat_context_ids, flat_context_mask)
     flat_labels = jnp.repeat(labels, rows // batch, axis=0)  # -> [B * N, T]
     ids = jnp.concatenate([flat_context_ids, flat_labels], axis=1)  # -> [B * N, S + T]
     # Label padding follows the answer, so causality keeps it away from every scored position.
@@ -109,6 +129,7 @@ class _Prompts:
 
     def __init__(self, cfg, params, flat_ids, flat_mask):
         model = _model(cfg)
+        flat_ids, flat_mask = left_align(flat_ids, flat_mask)
         positions = llama.positions_from_mask(flat_mask)  # -> [E, S]
         _, self.kv = model.apply(
             {"params": params["generator"]},

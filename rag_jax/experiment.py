@@ -10,7 +10,8 @@ Model sources (`config.model.init`):
   `config.model.generator` sizes (the synthetic world's default);
 - "pretrained": question encoder from `question_encoder_path` (BERT or DPR checkpoint), passage
   encoder from `passage_encoder_path` (default: the same checkpoint), generator from
-  `generator_path` or random with `config.model.generator` sizes;
+  `generator_path` (BART, or a Llama-family causal LM: a folder or a .gguf file) or random with
+  `config.model.generator` sizes;
 - "hf_rag": a full HF RAG checkpoint at `rag_path` (its question encoder also encodes passages
   unless `passage_encoder_path` is given).
 
@@ -35,8 +36,8 @@ import jax
 import ml_collections
 import numpy as np
 
-from rag_jax import data, hf, rag, settings, sharding, synthetic
-from rag_jax.models import bart, bert, bert2bart
+from rag_jax import data, gguf_llama, hf, hf_llama, rag, settings, sharding, synthetic
+from rag_jax.models import bart, bert, bert2bart, llama
 from rag_jax.retrieval import retriever as retrieval
 from rag_jax.retrieval.build import load_index_dir, workdir_store
 from rag_jax.retrieval.corpus import Passage, read_corpus
@@ -189,9 +190,61 @@ def _tokenizers(config, world):
     if m.init == "hf_rag":
         return hf.load_rag_tokenizers(m.rag_path)
     question = hf.load_tokenizer(m.question_encoder_path)
+    if causal_generator(m.generator_path):
+        generator = hf.load_llama_tokenizer(m.generator_path)
+        if generator.pad_token_id is None:  # contexts are padded; the pad is never attended to
+            generator.pad_token = generator.eos_token
+        generator.padding_side = "right"  # the store's layout (left-aligned in `rag_jax.causal`)
+        return question, generator
     path = m.generator_path or (m.generator_bert_path if m.generator_init == "bert" else "")
     generator = hf.load_tokenizer(path) if path else question
     return question, generator
+
+
+def causal_generator(path) -> bool:
+    """Whether `config.model.generator_path` names a Llama-family causal LM (a .gguf file, or a
+    folder whose config.json says model_type llama)."""
+    if not path:
+        return False
+    path = pathlib.Path(path)
+    if path.suffix == ".gguf":
+        return True
+    config = path / "config.json"
+    return config.is_file() and hf.read_config(path).get("model_type") == "llama"
+
+
+# A causal generator's prompt around passage and question (`config.rag.prompt`): the store
+# assembles prefix + title + title_sep + text + doc_sep + question + suffix.
+PLAIN_PROMPT = {
+    "prefix": "Context: ",
+    "title_sep": " / ",
+    "doc_sep": "\nQuestion: ",
+    "suffix": "\nAnswer:",
+}
+
+
+def prompt_layout(kind: str, tokenizer) -> dict:
+    """The context layout of a causal generator's prompt: "plain" (`PLAIN_PROMPT`) or "chat"
+    (the passage and question as the user's message in the tokenizer's chat template, the
+    assistant's turn opened after it)."""
+    layout = dict(PLAIN_PROMPT)
+    if kind == "plain":
+        return layout
+    if kind != "chat":
+        raise ValueError(f"config.rag.prompt must be plain or chat, got {kind!r}")
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(
+            f"config.rag.prompt='chat' but the generator's tokenizer "
+            f"{getattr(tokenizer, 'name_or_path', '')!r} has no chat template"
+        )
+    marker = "RAG_JAX_MESSAGE"
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": marker}], add_generation_prompt=True, tokenize=False
+    )
+    head, found, tail = text.partition(marker)
+    if not found:
+        raise ValueError("the generator's chat template does not contain the user's message")
+    return dict(layout, prefix=head + layout["prefix"], suffix=tail)
 
 
 def _generator_ids(tokenizer) -> dict:
@@ -219,7 +272,8 @@ def _rag_fields(config) -> dict:
     )
 
 
-def _rag_config(config, q_cfg: bert.BertConfig, g_cfg: bart.BartConfig, gen_ids: dict):
+def _rag_config(config, q_cfg: bert.BertConfig, g_cfg, gen_ids: dict, layout=None):
+    """The RagConfig of the two halves; `layout` (`prompt_layout`) for a causal generator."""
     return rag.RagConfig(
         question_encoder=q_cfg,
         generator=g_cfg,
@@ -231,7 +285,30 @@ def _rag_config(config, q_cfg: bert.BertConfig, g_cfg: bart.BartConfig, gen_ids:
             forced_eos_token_id=gen_ids["forced_eos_token_id"],
         ),
         **_rag_fields(config),
+        **(layout or {}),
     )
+
+
+# A causal generator: no BOS in its labels, nothing forced (it ends with its own EOS).
+_CAUSAL_IDS = {"bos_token_id": None, "forced_bos_token_id": None, "forced_eos_token_id": None}
+
+
+def _causal_generator(config, g_tok, dtype):
+    """(LlamaConfig, params, context layout) of `config.model.generator_path`."""
+    m = config.model
+    if m.generator_init != "random" or m.generator_frozen_encoder_layers:
+        raise ValueError(
+            "config.model.generator_init and generator_frozen_encoder_layers are BART settings; "
+            f"{m.generator_path} is a causal generator (use generator_trained_layers)"
+        )
+    if not config.rag.keep_question:
+        raise ValueError(
+            "a causal generator reads the question and the answer cue at the prompt's end: set "
+            "config.rag.keep_question=True (a long passage loses its end, never the question)"
+        )
+    g_cfg, g_params = hf.load_llama(m.generator_path, **dtype)
+    hf_llama.check_tokenizer(g_tok, g_cfg, m.generator_path)
+    return g_cfg, g_params, prompt_layout(config.rag.prompt, g_tok)
 
 
 def _models(config, q_tok, g_tok, rng):
@@ -250,7 +327,11 @@ def _models(config, q_tok, g_tok, rng):
             q_params = _init_bert(q_cfg, q_rng)
         else:
             raise ValueError(f"config.model.init must be random, pretrained or hf_rag: {m.init!r}")
-        if m.generator_path:
+        layout, gen_ids = None, _generator_ids(g_tok)
+        if causal_generator(m.generator_path):
+            g_cfg, g_params, layout = _causal_generator(config, g_tok, dtype)
+            gen_ids = _CAUSAL_IDS
+        elif m.generator_path:
             g_cfg, g_params = hf.load_bart(m.generator_path, **dtype)
         elif m.generator_init == "bert":
             g_cfg, g_params = _bert_generator(m, g_tok, g_rng, dtype)
@@ -259,7 +340,7 @@ def _models(config, q_tok, g_tok, rng):
                 vocab_size=len(g_tok), **dict(m.generator), **_generator_ids(g_tok), **dtype
             )
             g_params = bart.Bart(g_cfg).init(g_rng, *(np.zeros((1, 2), np.int32),) * 3)["params"]
-        cfg = _rag_config(config, q_cfg, g_cfg, _generator_ids(g_tok))
+        cfg = _rag_config(config, q_cfg, g_cfg, gen_ids, layout)
         params = {"question_encoder": q_params, "generator": g_params}
     if m.passage_encoder_path:
         p_cfg, p_params = _load_encoder(m.passage_encoder_path, dtype)
@@ -276,6 +357,16 @@ def _model_settings(config, cfg: rag.RagConfig, p_cfg: bert.BertConfig):
     """(cfg, p_cfg) with the settings that change no parameter's shape: the generator's frozen
     encoder layers and both towers' pooling."""
     m = config.model
+    if m.generator_trained_layers:
+        trained = m.generator_trained_layers
+        layers = getattr(cfg.generator, "num_hidden_layers", None)
+        if layers is None or not 0 < trained <= layers:
+            raise ValueError(
+                f"config.model.generator_trained_layers={trained} needs a causal generator "
+                f"with at least that many layers (its generator has {layers or 'none: BART'})"
+            )
+        settings.check_frozen_layers(config.train.freeze, layers - trained, trained)
+        cfg = cfg.replace(generator=cfg.generator.replace(frozen_layers=layers - trained))
     if m.generator_frozen_encoder_layers:
         setting, layers = m.generator_frozen_encoder_layers, cfg.generator.encoder_layers
         frozen = layers if setting == -1 else setting
@@ -378,7 +469,12 @@ def model_shapes(config: ml_collections.ConfigDict):
         else:
             q_cfg = bert.BertConfig(vocab_size=len(q_tok), **dict(m.question_encoder), **dtype)
             sources["question_encoder"] = "config.model.question_encoder (random init)"
-        if m.generator_path:
+        layout = None
+        if causal_generator(m.generator_path):
+            path = m.generator_path
+            g_cfg = planned("generator", path, _llama_architecture, llama.LlamaConfig)
+            gen_ids, layout = _CAUSAL_IDS, dict(PLAIN_PROMPT)
+        elif m.generator_path:
             path = m.generator_path
             g_cfg = planned("generator", path, hf.bart_architecture, bart.BartConfig)
             gen_ids = {k: getattr(g_cfg, k) for k in ("bos_token_id", "forced_eos_token_id")}
@@ -393,7 +489,7 @@ def model_shapes(config: ml_collections.ConfigDict):
             gen_ids = _generator_ids(g_tok)
             g_cfg = bart.BartConfig(vocab_size=len(g_tok), **dict(m.generator), **gen_ids, **dtype)
             sources["generator"] = "config.model.generator (random init)"
-        cfg = _rag_config(config, q_cfg, g_cfg, gen_ids)
+        cfg = _rag_config(config, q_cfg, g_cfg, gen_ids, layout)
     p_cfg = cfg.question_encoder
     sources["passage_encoder"] = sources["question_encoder"]
     if m.passage_encoder_path:
@@ -403,13 +499,20 @@ def model_shapes(config: ml_collections.ConfigDict):
     params = jax.eval_shape(
         lambda: {
             "question_encoder": _init_bert(cfg.question_encoder, rng),
-            "generator": bart.Bart(cfg.generator).init(rng, *(np.zeros((1, 2), np.int32),) * 3)[
-                "params"
-            ],
+            "generator": rag.init_params(cfg, rng)["generator"],
             "passage_encoder": _init_bert(p_cfg, rng),
         }
     )
     return (*_model_settings(config, cfg, p_cfg), params, sources)
+
+
+def _llama_architecture(path, **overrides) -> llama.LlamaConfig:
+    """The LlamaConfig `hf.load_llama` returns for `path`, from its config alone."""
+    if pathlib.Path(path).suffix == ".gguf":
+        if not pathlib.Path(path).is_file():
+            raise hf.CheckpointError(f"{path} is not a file")
+        return gguf_llama.read_config(path, **overrides)
+    return hf_llama.llama_config_from_hf(hf.read_config(hf.resolve(path)), **overrides)
 
 
 def _load_encoder(path, dtype):

@@ -76,6 +76,7 @@ class RagConfig:
     title_sep: str = " / "  # between a passage's title and text in the context string
     doc_sep: str = " // "  # between the passage and the question
     prefix: str | None = None  # prepended to every context string
+    suffix: str = ""  # after the question: a causal generator's answer cue (none for BART)
     label_smoothing: float = 0.0
     exclude_bos_score: bool = False  # RAG-Sequence: leave the BOS log-prob out of the likelihood
     reduce_loss: bool = False  # `nll` sums over the batch instead of returning [B]
@@ -89,9 +90,14 @@ class RagConfig:
 
     @property
     def context_layout(self) -> dict:
-        """How a context string is assembled: {"prefix", "title_sep", "doc_sep"}
+        """How a context string is assembled: {"prefix", "title_sep", "doc_sep", "suffix"}
         (`retrieval.store.context_string`; a passage store records it)."""
-        return {"prefix": self.prefix or "", "title_sep": self.title_sep, "doc_sep": self.doc_sep}
+        return {
+            "prefix": self.prefix or "",
+            "title_sep": self.title_sep,
+            "doc_sep": self.doc_sep,
+            "suffix": self.suffix,
+        }
 
     @property
     def pad_token_id(self) -> int:

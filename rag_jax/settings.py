@@ -144,7 +144,17 @@ SCHEMA: dict[str, dict[str, tuple]] = {
         "normalize_embeddings": (False, "L2-normalise the towers' vectors (sentence-transformers)"),
         "question_encoder_path": ("", "BERT or DPR checkpoint of the question tower (pretrained)"),
         "passage_encoder_path": ("", "the passage tower's checkpoint; empty: the question's"),
-        "generator_path": ("", "BART checkpoint; empty: a new generator of model.generator's size"),
+        "generator_path": (
+            "",
+            "BART checkpoint, or a Llama-family causal LM (a save_pretrained folder of model_type "
+            "llama, or a .gguf file: rag_jax.causal); empty: a new BART of model.generator's size",
+        ),
+        "generator_trained_layers": (
+            0,
+            "a causal generator: only its top k layers (and final norm) train; the layers below "
+            "are fixed, no gradient flows into them, and train.freeze must cover them and the "
+            "embedding; 0 = all layers",
+        ),
         "rag_path": ("", "an HF RAG checkpoint (init='hf_rag')"),
         "shared_towers": (True, "random init: both towers start from the same weights, as DPR"),
     },
@@ -203,6 +213,11 @@ SCHEMA: dict[str, dict[str, tuple]] = {
             "at 20)",
         ),
         "closed_book": (False, "no retrieval: the question alone (needs n_docs=1)"),
+        "prompt": (
+            "plain",
+            "a causal generator's prompt: plain ('Context: title / text', 'Question: q', "
+            "'Answer:' on three lines) | chat (the same inside its tokenizer's chat template)",
+        ),
     },
     "retrieval": {
         "index": ("exact", "exact | scann (host) | device (vectors sharded over the devices)"),
@@ -328,6 +343,21 @@ def check_frozen_encoder(freeze: str, layers: int, setting: int) -> None:
             f"generator's encoder, but config.train.freeze={freeze!r} leaves those layers "
             f"trainable (weight decay would still move them); freeze generator/encoder/ "
             f"(positions, ln_embedding and layer_0 to layer_{layers - 1})"
+        )
+
+
+def check_frozen_layers(freeze: str, frozen: int, trained: int) -> None:
+    """Raises unless `freeze` (`train.freeze`) freezes a causal generator's embedding and its
+    first `frozen` layers, which `generator_trained_layers=trained` leaves fixed."""
+    needed = ["generator/embed_tokens/embedding"]
+    needed += [f"generator/layers_{i}/mlp_up_proj/kernel" for i in range(frozen)]
+    if not (freeze and all(re.search(freeze, p) for p in needed)):
+        layers = "|".join(str(i) for i in range(frozen))
+        raise ValueError(
+            f"config.model.generator_trained_layers={trained} fixes the generator's layers 0 to "
+            f"{frozen - 1}, but config.train.freeze={freeze!r} leaves some of them or the "
+            f"embedding trainable (weight decay would still move them); e.g. "
+            f"'^(passage_encoder/|generator/(embed_tokens|layers_({layers}))/)'"
         )
 
 
@@ -491,6 +521,7 @@ def _check_choices(config: ml_collections.ConfigDict) -> None:
         ("warm_start.reader_data", config.warm_start.reader_data, ("synthetic", "files")),
         ("warm_start.reader_task", config.warm_start.reader_task, ("qa", "ssm", "qa+ssm")),
         ("model.generator_init", config.model.generator_init, ("random", "bert")),
+        ("rag.prompt", config.rag.prompt, ("plain", "chat")),
         (
             "model.generator_decoder_init",
             config.model.generator_decoder_init,

@@ -74,6 +74,8 @@ INIT_KEYS = {
             "model.generator_decoder_layers",
             "model.generator_decoder_init",
             "model.generator_frozen_encoder_layers",
+            # A causal generator (rag_jax.causal) trained in its top layers only.
+            "model.generator_trained_layers",
             # The checkpoints' architectures, to plan a run without them (model_shapes).
             "model.question_encoder",
         },
@@ -85,6 +87,7 @@ OPTIONAL = {
     "retrieval.cache_dir",
     "rag.doc_score_scale",
     "rag.keep_question",
+    "rag.prompt",  # a causal generator's prompt
     "eval.every_max_examples",
     "init_seed",
 }

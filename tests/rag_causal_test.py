@@ -142,11 +142,25 @@ def test_doc_posteriors_equal_the_reference(model):
     np.testing.assert_allclose(np.asarray(tokens), per_token.transpose(0, 2, 1), atol=1e-5)
 
 
-def test_right_padded_prompts_are_refused(model):
+def test_right_padded_prompts_score_as_left_padded_and_holes_are_refused(model):
     cfg, params, _ = model
     ids, mask, labels, scores = _batch(cfg)
-    with pytest.raises(ValueError, match="left-padded"):
-        rag.nll(cfg, params, ids, mask[:, ::-1], scores, labels)
+    right_ids, right_mask = ids.copy(), mask.copy()
+    for r in range(ids.shape[0]):  # the store's layout: real tokens first
+        n = mask[r].sum()
+        right_ids[r] = np.concatenate([ids[r][mask[r] == 1], np.full(S - n, cfg.pad_token_id)])
+        right_mask[r] = np.arange(S) < n
+    for variant in ("sequence", "token"):
+        want = rag.nll(cfg, params, ids, mask, scores, labels, variant=variant)
+        got = rag.nll(cfg, params, right_ids, right_mask, scores, labels, variant=variant)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
+    want = rag.generate(cfg, params, ids, mask, scores, variant="token", max_length=3)
+    got = rag.generate(cfg, params, right_ids, right_mask, scores, variant="token", max_length=3)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    holed = mask.copy()
+    holed[1, -2] = 0
+    with pytest.raises(ValueError, match="row 1 is"):
+        rag.nll(cfg, params, ids, holed, scores, labels)
 
 
 GEN = dict(max_length=5, num_beams=3, length_penalty=0.7, min_length=1)

@@ -6,10 +6,11 @@ Legend: B batch, N docs per question, S context length (`max_length`), C corpus 
 passage's part of the context, and the raw id, title and text as UTF-8 bytes. The generator's
 input for question q and passage z is HF `RagRetriever.postprocess_docs`'s string
 
-    (prefix + title' + title_sep + text + doc_sep + q).replace("  ", " ")
+    (prefix + title' + title_sep + text + doc_sep + q + suffix).replace("  ", " ")
 
 where title' is the title with one leading and one trailing `"` removed (HF strips the title only,
-not the text), tokenised with special tokens, truncation to `max_length` and right padding.
+not the text; `suffix` is empty for BART and a causal generator's answer cue otherwise),
+tokenised with special tokens, truncation to `max_length` and right padding.
 
 Exact token assembly. The string is cut once, after the last non-space character of `doc_sep`
 (" //" | " " + q for the default " // "); the left part (passage piece) is tokenised at build time,
@@ -49,11 +50,17 @@ _COLUMNS = (("tokens", "<i4"), ("ids", "u1"), ("titles", "u1"), ("texts", "u1"))
 
 
 def context_string(
-    title: str, text: str, question: str, prefix: str = "", title_sep=" / ", doc_sep=" // "
+    title: str,
+    text: str,
+    question: str,
+    prefix: str = "",
+    title_sep=" / ",
+    doc_sep=" // ",
+    suffix: str = "",
 ) -> str:
     """The generator input string HF's `RagRetriever.postprocess_docs` builds for one passage."""
     title = title.removeprefix('"').removesuffix('"')
-    return (prefix + title + title_sep + text + doc_sep + question).replace("  ", " ")
+    return (prefix + title + title_sep + text + doc_sep + question + suffix).replace("  ", " ")
 
 
 def _passage_piece(passage: Passage, prefix: str, title_sep: str, sep_head: str) -> str:
@@ -61,8 +68,8 @@ def _passage_piece(passage: Passage, prefix: str, title_sep: str, sep_head: str)
     return (prefix + title + title_sep + passage.text + sep_head).replace("  ", " ")
 
 
-def _question_piece(question: str, sep_tail: str) -> str:
-    return (sep_tail + question).replace("  ", " ")
+def _question_piece(question: str, sep_tail: str, suffix: str = "") -> str:
+    return (sep_tail + question + suffix).replace("  ", " ")
 
 
 def _split_doc_sep(doc_sep: str) -> tuple[str, str]:
@@ -104,7 +111,9 @@ def _tokenize(tokenizer, texts: list[str]) -> list[list[int]]:
     return encoded["input_ids"]
 
 
-def _check_tokenizer(tokenizer, pieces: list[str], sep_head: str, sep_tail: str) -> dict:
+def _check_tokenizer(
+    tokenizer, pieces: list[str], sep_head: str, sep_tail: str, suffix: str = ""
+) -> dict:
     """Checks that contexts can be assembled exactly; returns the special-token layout."""
     name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
     if tokenizer.padding_side != "right" or tokenizer.truncation_side != "right":
@@ -129,7 +138,7 @@ def _check_tokenizer(tokenizer, pieces: list[str], sep_head: str, sep_tail: str)
     # a tokenizer outside it (e.g. a normaliser that strips or merges across the cut).
     for piece in pieces[:3]:
         for question in questions:
-            q_piece = _question_piece(question, sep_tail)
+            q_piece = _question_piece(question, sep_tail, suffix)
             composed = _tokenize(tokenizer, [piece])[0] + _tokenize(tokenizer, [q_piece])[0]
             for kept in (len(composed), len(composed) // 2):
                 whole = tokenizer(piece + q_piece, max_length=n_special + kept, truncation=True)
@@ -250,6 +259,7 @@ class PassageStore:
         title_sep: str = " / ",
         doc_sep: str = " // ",
         batch_size: int = 1024,
+        suffix: str = "",
     ) -> "PassageStore":
         """Tokenises and writes a corpus, streaming; returns the store opened from disk.
 
@@ -261,6 +271,7 @@ class PassageStore:
           prefix: the generator's input prefix (HF `generator.prefix`; none for BART).
           title_sep, doc_sep: HF `RagConfig.title_sep` / `doc_sep`.
           batch_size: records tokenised per tokenizer call.
+          suffix: text after the question (a causal generator's answer cue; none for BART).
 
         Raises:
           ValueError: a bad record (naming its index and field), a duplicate id, an empty corpus,
@@ -290,7 +301,7 @@ class PassageStore:
                 passages = [check_record(r, count + i) for i, r in enumerate(batch)]
                 pieces = [_passage_piece(p, prefix, title_sep, sep_head) for p in passages]
                 if layout is None:
-                    layout = _check_tokenizer(tokenizer, pieces, sep_head, sep_tail)
+                    layout = _check_tokenizer(tokenizer, pieces, sep_head, sep_tail, suffix)
                 for passage, token_ids in zip(passages, _tokenize(tokenizer, pieces), strict=True):
                     writers[0].append(np.asarray(token_ids, "<i4").tobytes())
                     for writer, value in zip(writers[1:], passage, strict=True):
@@ -324,6 +335,7 @@ class PassageStore:
                 "prefix": prefix,
                 "title_sep": title_sep,
                 "doc_sep": doc_sep,
+                "suffix": suffix,
                 "pad_id": tokenizer.pad_token_id,
                 **layout,
                 "files": records,
@@ -414,7 +426,8 @@ class PassageStore:
             found.append("corpus_checksum")
         if tokenizer_fingerprint(tokenizer) != self.manifest["tokenizer"]["fingerprint"]:
             found.append("generator tokenizer")
-        found += [name for name, value in layout.items() if value != self.manifest[name]]
+        # Stores built before the suffix existed have none.
+        found += [name for name, value in layout.items() if value != self.manifest.get(name, "")]
         return found
 
     def title(self, i: int) -> str:
@@ -448,7 +461,8 @@ class PassageStore:
                 f"{self.directory} was built with ({self.manifest['tokenizer']['name']!r})"
             )
         sep_tail = _split_doc_sep(self.manifest["doc_sep"])[1]
-        return _tokenize(tokenizer, [_question_piece(q, sep_tail) for q in questions])
+        suffix = self.manifest.get("suffix", "")
+        return _tokenize(tokenizer, [_question_piece(q, sep_tail, suffix) for q in questions])
 
     def context_tokens(
         self,

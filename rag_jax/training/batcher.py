@@ -177,6 +177,7 @@ class Batcher:
                 self.exp.rag_cfg.generator.pad_token_id,
                 c.data.answer_length,
                 c.data.answer_pad_multiple,
+                self.exp.rag_cfg.generator.eos_token_id if self.exp.rag_cfg.causal else None,
             )
         )
         labels = labels[:, :width]

@@ -5,7 +5,7 @@ Legend: B batch, S context length, T target length, Q question length.
 
 import numpy as np
 
-from rag_jax import rag
+from rag_jax import causal, rag
 
 
 def question_tokens(tokenizer, questions, max_length: int) -> dict[str, np.ndarray]:
@@ -46,7 +46,9 @@ def context_width(attention_mask: np.ndarray, max_length: int, multiple: int) ->
     return min(max_length, max(multiple, -(-longest // multiple) * multiple))
 
 
-def label_width(labels: np.ndarray, pad_id: int, max_length: int, multiple: int) -> int:
+def label_width(
+    labels: np.ndarray, pad_id: int, max_length: int, multiple: int, eos_id: int | None = None
+) -> int:
     """How many label columns a batch needs: its longest label rounded up to `multiple`.
 
     The columns past a batch's longest label are padding in every row. Dropping them leaves both
@@ -60,8 +62,14 @@ def label_width(labels: np.ndarray, pad_id: int, max_length: int, multiple: int)
       pad_id: the generator's pad id.
       max_length: T; the width when `multiple` is 0 and the cap otherwise.
       multiple: width granularity; 0 = always `max_length`.
+      eos_id: a causal generator's EOS id, which may equal its pad id: every position up to a
+        row's first EOS counts, that EOS included (`causal.label_mask`).
     """
-    return context_width(np.asarray(labels) != pad_id, max_length, multiple)
+    labels = np.asarray(labels)
+    used = labels != pad_id
+    if eos_id is not None:
+        used = np.asarray(causal.label_mask(labels, eos_id, pad_id))
+    return context_width(used, max_length, multiple)
 
 
 def answer_labels(tokenizer, answers, rag_cfg: rag.RagConfig, max_length: int) -> np.ndarray:
@@ -69,9 +77,19 @@ def answer_labels(tokenizer, answers, rag_cfg: rag.RagConfig, max_length: int) -
 
     The RAG loss reads labels as decoder inputs (nothing is shifted right), so training targets
     take the exact form of what generation produces and rescoring scores.
+
+    A causal generator's labels are the answer tokens and EOS (what it generates after the
+    prompt); an answer longer than T keeps its first T tokens and no EOS, so a cut answer never
+    teaches the generator to stop early.
     """
     gen = rag_cfg.generator
     out = np.full((len(answers), max_length), gen.pad_token_id, np.int32)
+    if rag_cfg.causal:
+        for i, answer in enumerate(answers):
+            ids = tokenizer(answer, add_special_tokens=False)["input_ids"]
+            row = [*ids, gen.eos_token_id][:max_length]
+            out[i, : len(row)] = row
+        return out
     for i, answer in enumerate(answers):
         ids = tokenizer(answer, add_special_tokens=False)["input_ids"][: max_length - 3]
         row = [gen.decoder_start_token_id, rag_cfg.bos_token_id, *ids, gen.eos_token_id]

@@ -155,6 +155,7 @@ def make_step_fn(config: ml_collections.ConfigDict, rag_cfg, passage_cfg, tx, in
         passage_cfg if config.retrieval.refresh_every else None,
         search_n_docs=rag_cfg.n_docs * in_step,
         state_sharding=state_where,
+        frozen=config.train.freeze,
     )
 
 

@@ -20,6 +20,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from rag_jax import rag
+from rag_jax.training import optim
 
 
 @flax.struct.dataclass
@@ -126,10 +127,21 @@ def rag_metrics(loss, aux, grads) -> dict:
     }
 
 
-def joint_loss_fn(rag_cfg: rag.RagConfig, variant: str, passage_cfg=None) -> Callable:
-    """The joint step's `loss_fn(params, batch, rng) -> (loss, aux)` over a training batch."""
+def joint_loss_fn(
+    rag_cfg: rag.RagConfig, variant: str, passage_cfg=None, frozen: str = ""
+) -> Callable:
+    """The joint step's `loss_fn(params, batch, rng) -> (loss, aux)` over a training batch.
+
+    The parameters whose paths match `frozen` (`train.freeze`) enter the loss as constants: the
+    optimizer gives them zero updates anyway, and no gradient is computed for them (a frozen
+    generator then costs a forward pass only: the doc scores' gradient needs only each
+    passage's likelihood)."""
+    labels = optim.path_labels if frozen else None
 
     def loss_fn(params, batch, rng):
+        if labels is not None:
+            fixed = labels(params, frozen, True, False)
+            params = jax.tree.map(lambda p, f: jax.lax.stop_gradient(p) if f else p, params, fixed)
         # Token leaves travel as [B, N, L] so every leaf shards over B; the loss takes [B * N, L].
         flat = dict(batch)
         for key in _PER_DOC_TOKENS:
@@ -149,8 +161,11 @@ def make_train_step(
     passage_cfg=None,
     search_n_docs: int = 0,
     state_sharding=None,
+    frozen: str = "",
 ):
     """The joint step `train_step(state, batch, retrieval=None) -> (state, metrics)`.
+
+    `frozen` (`train.freeze`): those parameters are constants of the loss (`joint_loss_fn`).
 
     `passage_cfg` is needed when batches carry passage tokens (a trainable passage encoder).
     `state_sharding` is the state's placement, kept by the new state (`make_step`).
@@ -163,7 +178,7 @@ def make_train_step(
     host round trip; they are returned in `state.next_doc_ids`.
     """
 
-    loss_fn = joint_loss_fn(rag_cfg, variant, passage_cfg)
+    loss_fn = joint_loss_fn(rag_cfg, variant, passage_cfg, frozen)
     search_fn = None
     if search_n_docs:
 

