@@ -34,7 +34,7 @@ from collections.abc import Iterable, Sequence
 import jax
 import numpy as np
 
-from rag_jax import bundle_format, hf_export, rag, rag_math
+from rag_jax import bundle_format, causal, hf_export, rag, rag_math
 from rag_jax.bundle_format import Settings
 from rag_jax.retrieval import files
 from rag_jax.retrieval.corpus import Passage, check_record, corpus_checksum
@@ -272,6 +272,11 @@ class Bundle:
             question (HF's `RagRetriever` puts it last and cuts a long context's end, question
             included).
         """
+        if self.rag_cfg.causal:
+            raise hf_export.ExportError(
+                "the bundle's generator is a causal LM: transformers' RAG takes only a seq2seq "
+                "generator (export it alone with hf.save_llama)"
+            )
         if self.settings.keep_question:
             raise hf_export.ExportError(
                 "the bundle's contexts keep the question when a passage is too long "
@@ -413,11 +418,15 @@ class Bundle:
         )
         texts = [a.strip() for a in g_tok.batch_decode(tokens[:count], skip_special_tokens=True)]
         store = retriever.store
+        gen = self.rag_cfg.generator
         special = set(g_tok.all_special_ids) | {
             self.rag_cfg.pad_token_id,
-            self.rag_cfg.generator.eos_token_id,
-            self.rag_cfg.generator.decoder_start_token_id,
+            gen.eos_token_id,
+            getattr(gen, "decoder_start_token_id", gen.eos_token_id),
         }
+        # Row t of `per_token` explains token t + 1 of a BART output (which starts with the
+        # decoder start token) and token t of a causal generator's (the answer tokens).
+        shift = 0 if self.rag_cfg.causal else 1
         answers = []
         for b in range(count):
             rows = [int(j) for j in hits.doc_ids[b]]
@@ -433,15 +442,15 @@ class Bundle:
                 for n, row in enumerate(rows)
             )
             sources = None
-            if variant == "token":  # position t of `per_token` is the token tokens[b, t + 1]
+            if variant == "token":  # position t of `per_token` is the token tokens[b, t + shift]
                 sources = tuple(
                     TokenSource(
-                        token=g_tok.convert_ids_to_tokens(int(tokens[b, t + 1])),
-                        token_id=int(tokens[b, t + 1]),
+                        token=g_tok.convert_ids_to_tokens(int(tokens[b, t + shift])),
+                        token_id=int(tokens[b, t + shift]),
                         posteriors=tuple(float(p) for p in per_token[b, t]),
                     )
-                    for t in range(tokens.shape[1] - 1)
-                    if int(tokens[b, t + 1]) not in special
+                    for t in range(tokens.shape[1] - shift)
+                    if int(tokens[b, t + shift]) not in special
                 )
             answers.append(
                 Answer(
@@ -619,13 +628,18 @@ def _score_program(cfg: rag.RagConfig, variant: str, n_docs: int, fast_compile: 
     def score(params, scores, ctx, ctx_mask, tokens):
         _count_trace(cfg)
         logits = rag.generator_logits(run_cfg, params, ctx, ctx_mask, tokens)
+        aligned, bos = {}, cfg.bos_token_id
+        if cfg.causal:  # the answer tokens themselves, scored up to their EOS
+            gen = cfg.generator
+            mask = causal.label_mask(tokens, gen.eos_token_id, gen.pad_token_id)
+            aligned, bos = dict(aligned=True, target_mask=mask), None
         if variant == "sequence":
             nll = rag_math.rag_sequence_nll(
-                logits, scores, tokens, bos_token_id=cfg.bos_token_id, **ids
+                logits, scores, tokens, bos_token_id=bos, **ids, **aligned
             )
         else:
-            nll = rag_math.rag_token_nll(logits, scores, tokens, **ids)
-        posterior, per_token = rag_math.doc_posteriors(logits, scores, tokens, **ids)
+            nll = rag_math.rag_token_nll(logits, scores, tokens, **ids, **aligned)
+        posterior, per_token = rag_math.doc_posteriors(logits, scores, tokens, **ids, **aligned)
         return -nll, jax.nn.softmax(scores, axis=-1), posterior, per_token
 
     return _jit(score, fast_compile)

@@ -37,7 +37,7 @@ import transformers
 from safetensors.numpy import load_file, save_file
 
 from rag_jax import hf, rag
-from rag_jax.models import bart, bert
+from rag_jax.models import bart, bert, llama
 from rag_jax.retrieval import files
 from rag_jax.retrieval.index import ExactIndex, ScannIndex
 from rag_jax.retrieval.retriever import PassageEncoder, Retriever
@@ -214,7 +214,9 @@ def read(directory, *, verify: bool = True) -> Parts:
         ) from None
     shapes = {
         "question_encoder": _bert_shapes(rag_cfg.question_encoder),
-        "generator": bart.param_shapes(rag_cfg.generator),
+        "generator": llama.param_shapes(rag_cfg.generator)
+        if rag_cfg.causal
+        else bart.param_shapes(rag_cfg.generator),
         "passage_encoder": _bert_shapes(passage_cfg),
     }
     params = {tower: _read_params(directory, tower, shapes[tower]) for tower in TOWERS}
@@ -294,9 +296,16 @@ def _rag_config(values: dict) -> rag.RagConfig:
     values = dict(values)
     generation = dict(values.pop("generation"))
     generation["bad_words_ids"] = tuple(tuple(w) for w in generation.get("bad_words_ids", ()))
+    generator = dict(values.pop("generator"))
+    if "num_hidden_layers" in generator:  # a causal generator's LlamaConfig
+        scaling = generator.get("rope_scaling")
+        generator["rope_scaling"] = None if scaling is None else tuple(map(tuple, scaling))
+        generator = llama.LlamaConfig(**generator)
+    else:
+        generator = bart.BartConfig(**generator)
     return rag.RagConfig(
         question_encoder=bert.BertConfig(**values.pop("question_encoder")),
-        generator=bart.BartConfig(**values.pop("generator")),
+        generator=generator,
         generation=rag.GenerationConfig(**generation),
         **values,
     )

@@ -304,6 +304,12 @@ def save_rag(
     """
     if variant not in _RAG_CLASS:
         raise ValueError(f"variant must be 'sequence' or 'token', got {variant!r}")
+    if cfg.causal:
+        raise ExportError(
+            "the generator is a causal LM: transformers' RAG takes only a seq2seq generator "
+            "(RagSequenceForGeneration / RagTokenForGeneration wrap BART or T5); export the "
+            "generator alone with hf.save_llama and the question encoder with hf.save_dpr"
+        )
     if cfg.doc_score_scale != 1.0:
         raise ExportError(
             f"the model weighs passages by softmax({cfg.doc_score_scale} * q . d); HF's RAG "

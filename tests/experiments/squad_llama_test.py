@@ -11,7 +11,7 @@ import transformers
 from configs_test import load_config
 
 import hf_fixtures
-from rag_jax import experiment, hf_llama, rag
+from rag_jax import bundle, experiment, hf, hf_export, hf_llama, rag
 from rag_jax.training import loop
 from squad_subset import squad_subset
 
@@ -53,7 +53,6 @@ def test_squad_llama_builds_trains_and_answers(shared_data, tmp_path, tiny_reade
     config.train.steps = 2
     config.train.num_devices = 1
     config.train.batch_size = 2
-    config.train.bundle = False
     config.eval.batch_size = 4
     config.eval.max_examples = 4
     config.eval.max_length = 4
@@ -88,3 +87,18 @@ def test_squad_llama_builds_trains_and_answers(shared_data, tmp_path, tiny_reade
     )
     assert max(jax.tree.leaves(moved)) > 0
     assert rag.trace_counts()  # the run went through the jitted entry points
+
+    # The bundle answers with provenance, per passage and per token.
+    model = bundle.load(tmp_path / "work" / "bundle")
+    assert model.rag_cfg.causal and model.rag_cfg == exp.rag_cfg
+    for variant in ("token", "sequence"):
+        (answer,) = model.answer([question], variant=variant, num_beams=2)
+        assert len(answer.passages) == 2 and np.isfinite(answer.log_likelihood)
+        assert abs(sum(p.posterior for p in answer.passages) - 1) < 1e-5
+        if variant == "token":
+            for source in answer.tokens:
+                assert abs(sum(source.posteriors) - 1) < 1e-5
+    with pytest.raises(hf_export.ExportError, match="causal"):
+        model.to_hf(tmp_path / "hf")
+    with pytest.raises(hf_export.ExportError, match="causal"):
+        hf.save_rag(tmp_path / "hf", model.rag_cfg, model.params)
