@@ -308,6 +308,16 @@ def _causal_generator(config, g_tok, dtype):
         )
     g_cfg, g_params = hf.load_llama(m.generator_path, **dtype)
     hf_llama.check_tokenizer(g_tok, g_cfg, m.generator_path)
+    longest = config.rag.max_combined_length + max(
+        config.data.answer_length, config.eval.max_length
+    )
+    if longest > g_cfg.max_position_embeddings:
+        raise ValueError(
+            f"config.rag.max_combined_length={config.rag.max_combined_length} plus the answer "
+            f"(data.answer_length={config.data.answer_length}, eval.max_length="
+            f"{config.eval.max_length}) exceeds the generator's max_position_embeddings="
+            f"{g_cfg.max_position_embeddings}"
+        )
     return g_cfg, g_params, prompt_layout(config.rag.prompt, g_tok)
 
 
