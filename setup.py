@@ -21,6 +21,7 @@ setup(
         "numpy>=1.26",
         "safetensors>=0.4",
         "transformers>=5.24,<6",
+        "gguf>=0.19",  # hf.load_llama of .gguf files (llama.cpp's format): reader and dequantisers
         "tqdm>=4.60",
         "tensorboardX>=2.6",
         "absl-py>=1.0",
@@ -45,6 +46,7 @@ setup(
             "fastapi>=0.115",  # the server's tests (the [serve] extra) and their HTTP client
             "uvicorn>=0.30",
             "httpx>=0.27",
+            "accelerate",  # transformers needs it to load a GGUF model (tests/hf_llama_test.py)
         ],
         # The TPU runtime and compiler (libtpu): for TPU VMs, and for compiling for a TPU
         # topology on any host (experiments/tpu_compile.py). At the jax version of the CI pins.

@@ -207,22 +207,17 @@ def _search(cfg, params, prompts, settings, *, outer, inner, post_fn=None):
     if post_fn is not None:
         step_fn = post_fn(step_fn)
     past = _empty_past(cfg, outer * beams * inner, settings["max_length"] + 1)
-    ids = dict(decoder_start_token_id=gen.pad_token_id, eos_token_id=gen.eos_token_id)
-    ids["pad_token_id"] = gen.pad_token_id
-    common = _search_settings(settings)
-    if beams == 1:
-        seqs = decoding.greedy_search(step_fn, past, batch_size=outer, **ids, **common)
-        return seqs[:, None], None
-    out = decoding.beam_search(
+    return decoding.search(
         step_fn,
         past,
         batch_size=outer,
         num_beams=beams,
         num_return_sequences=settings["num_return_sequences"],
-        **ids,
-        **common,
+        decoder_start_token_id=gen.pad_token_id,  # the start slot (dropped from the output)
+        eos_token_id=gen.eos_token_id,
+        pad_token_id=gen.pad_token_id,
+        **_search_settings(settings),
     )
-    return out.sequences, out.scores
 
 
 def _thorough_fn(cfg, params, prompts: _Prompts, doc_scores):

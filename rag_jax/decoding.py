@@ -471,3 +471,35 @@ def greedy_search(
         )
 
     return jax.lax.while_loop(lambda s: jnp.any(s.unfinished), body, state).seqs
+
+
+def search(
+    tokens_to_logits_fn: TokensToLogitsFn,
+    init_cache: Any,
+    *,
+    batch_size: int,
+    num_beams: int,
+    num_return_sequences: int = 1,
+    **settings: Any,
+) -> tuple[jax.Array, jax.Array | None]:
+    """Greedy search when `num_beams` is 1, beam search otherwise, with one result layout.
+
+    `settings` are the searches' other keyword arguments (`length_penalty` and `early_stopping`
+    only for beams).
+
+    Returns:
+      sequences: [B, R, L] int32 (R = 1 for greedy).
+      scores: [B, R] float32 beam scores, or None for greedy.
+    """
+    if num_beams == 1:
+        seqs = greedy_search(tokens_to_logits_fn, init_cache, batch_size=batch_size, **settings)
+        return seqs[:, None], None
+    out = beam_search(
+        tokens_to_logits_fn,
+        init_cache,
+        batch_size=batch_size,
+        num_beams=num_beams,
+        num_return_sequences=num_return_sequences,
+        **settings,
+    )
+    return out.sequences, out.scores

@@ -91,24 +91,17 @@ def _search(cfg, params, encoded, flat_mask, settings, *, batch, docs_per_row, p
         step_fn = post_fn(step_fn)
     common = {k: v for k, v in settings.items() if k not in ("num_beams", "num_return_sequences")}
     gen = cfg.generator
-    ids = dict(
-        decoder_start_token_id=gen.decoder_start_token_id,
-        eos_token_id=gen.eos_token_id,
-        pad_token_id=gen.pad_token_id,
-    )
-    if beams == 1:
-        seqs = decoding.greedy_search(step_fn, cache, batch_size=batch, **ids, **common)
-        return seqs[:, None], None
-    out = decoding.beam_search(
+    return decoding.search(
         step_fn,
         cache,
         batch_size=batch,
         num_beams=beams,
         num_return_sequences=settings["num_return_sequences"],
-        **ids,
+        decoder_start_token_id=gen.decoder_start_token_id,
+        eos_token_id=gen.eos_token_id,
+        pad_token_id=gen.pad_token_id,
         **common,
     )
-    return out.sequences, out.scores
 
 
 def resolve_settings(cfg, overrides: dict) -> dict:

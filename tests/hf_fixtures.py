@@ -5,6 +5,7 @@ large std (0.3) — the default init of 0.02 with zero biases and unit LayerNorm
 any implementation agree.
 """
 
+import math
 import pathlib
 
 import numpy as np
@@ -154,8 +155,10 @@ def llama_gguf_tensors(model: transformers.LlamaForCausalLM) -> dict[str, np.nda
     config = model.config
 
     def permute(w, heads):
-        return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(
-            w.shape
+        return (
+            w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:])
+            .swapaxes(1, 2)
+            .reshape(w.shape)
         )
 
     names = {
@@ -190,6 +193,31 @@ def llama_gguf_tensors(model: transformers.LlamaForCausalLM) -> dict[str, np.nda
     return out
 
 
+def llama3_rope_factors(config: transformers.LlamaConfig) -> np.ndarray:
+    """The `rope_freqs.weight` [d / 2] that convert_hf_to_gguf.py's `LlamaModel` writes for Llama
+    3 rope scaling: per frequency, the divisor llama.cpp applies (1 for high frequencies,
+    `factor` for low ones, smoothed between), with its defaults and its float32 torch arithmetic
+    (it reads original_max_position_embeddings from the top-level config, 8192 when absent)."""
+    rope = dict(config.rope_parameters)
+    dim = config.head_dim
+    freqs = 1.0 / (rope["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    factor = rope.get("factor", 8.0)
+    low, high = rope.get("low_freq_factor", 1.0), rope.get("high_freq_factor", 4.0)
+    old_context = getattr(config, "original_max_position_embeddings", None) or 8192
+    low_wavelen, high_wavelen = old_context / low, old_context / high
+    factors = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < high_wavelen:
+            factors.append(1)
+        elif wavelen > low_wavelen:
+            factors.append(factor)
+        else:
+            smooth = (old_context / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return torch.tensor(factors, dtype=torch.float32).numpy()
+
+
 def random_quant_bytes(shape, qtype, seed: int = 0) -> np.ndarray:
     """Random but finite blocks of `qtype` (K-quants, which gguf.quants cannot quantise to) for a
     [rows, cols] tensor: random bytes with the float16 block scales set to small values."""
@@ -210,10 +238,11 @@ def random_quant_bytes(shape, qtype, seed: int = 0) -> np.ndarray:
 
 
 def gguf_tokens(n: int) -> list[str]:
-    """A byte-level BPE vocabulary of `n` tokens: GPT-2's "<|endoftext|>" (which transformers
-    adds when absent), n - 2 letters and the merge "ab"."""
-    letters = [chr(c) for c in range(ord("a"), ord("z") + 1)] + [chr(c) for c in range(0x100, 0x180)]
-    return ["<|endoftext|>", *letters[: n - 2], "ab"]
+    """A byte-level BPE vocabulary of `n` tokens: three special ones (GPT-2's "<|endoftext|>",
+    which transformers adds when absent, at the fixtures' pad id 0, then bos 1 and eos 2), n - 4
+    letters and the merge "ab"."""
+    letters = [chr(c) for c in [*range(ord("a"), ord("z") + 1), *range(0x100, 0x180)]]
+    return ["<|endoftext|>", "<s>", "</s>", *letters[: n - 4], "ab"]
 
 
 def save_llama_gguf(
@@ -233,7 +262,8 @@ def save_llama_gguf(
 
     Args:
       types: GGUF tensor name -> type name, overriding `qtype` per tensor.
-      tensors: extra or replacement tensors (name -> array, written as is).
+      tensors: extra or replacement tensors (name -> array, written as is unless `types` names
+        it; None drops the tensor).
       tokens: a byte-level BPE vocabulary (`gguf_tokens`) to write as tokenizer.ggml.*, with the
         merges of its two-letter tokens; None: no tokenizer.
       metadata: callable(writer) adding further keys before the file is written.
@@ -271,13 +301,18 @@ def save_llama_gguf(
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     if metadata is not None:
         metadata(writer)
-    arrays = dict(llama_gguf_tensors(model), **(tensors or {}))
+    extra = tensors or {}
+    arrays = dict(llama_gguf_tensors(model))
+    if rope.get("rope_type") == "llama3":
+        arrays["rope_freqs.weight"] = llama3_rope_factors(config)
+    arrays.update(extra)
     for name, w in arrays.items():
-        kind = (types or {}).get(name, qtype if w.ndim == 2 else "F32")
-        if w.dtype != np.float32 or (name in (tensors or {}) and kind == "F32"):
+        if w is None:  # dropped
+            continue
+        if name in extra and name not in (types or {}):
             writer.add_tensor(name, w)
             continue
-        qt = gguf.GGMLQuantizationType[kind]
+        qt = gguf.GGMLQuantizationType[(types or {}).get(name, qtype if w.ndim == 2 else "F32")]
         if qt in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
             writer.add_tensor(name, gguf.quants.quantize(w, qt))
         elif qt.name.endswith("_K"):
