@@ -111,7 +111,7 @@ def run_variant(name, overrides, args, out: pathlib.Path) -> dict:
     start = time.perf_counter()
     oracle, predictions = evaluation.oracle(exp, exp.params, evals)
     logs = sorted((out / name / "cache" / "warm_start").glob("*.log.json"))
-    # {"examples": per task, "log": [...]}; absent when an older run's cache was reused.
+    # {"examples", "answer_cut": per task, "log": [...]}; absent when an old cache was reused.
     log = json.loads(logs[-1].read_text())["log"] if logs else {}
     last = (log.get("log") or [{}])[-1]
     return {

@@ -360,12 +360,14 @@ def _models(config, q_tok, g_tok, rng):
         # Both towers start from the same weights (DPR initialises both from one BERT).
         p_cfg, p_params = cfg.question_encoder, jax.tree.map(np.array, params["question_encoder"])
     params = dict(params, passage_encoder=p_params)
-    return (*_model_settings(config, cfg, p_cfg), params)
+    return _model_settings(config, cfg, p_cfg, params)
 
 
-def _model_settings(config, cfg: rag.RagConfig, p_cfg: bert.BertConfig):
-    """(cfg, p_cfg) with the settings that change no parameter's shape: the generator's frozen
-    encoder layers and both towers' pooling."""
+def _model_settings(config, cfg: rag.RagConfig, p_cfg: bert.BertConfig, params: dict):
+    """(cfg, p_cfg, params) with the settings applied after loading: a causal generator's
+    trained layers, both towers' pooling, and the generator's frozen encoder layers, whose
+    encoder then reads its own copy of the token embedding (`bart.untie_encoder_embedding`;
+    `params` may be arrays or `jax.ShapeDtypeStruct`s)."""
     m = config.model
     if m.generator_trained_layers:
         trained = m.generator_trained_layers
@@ -385,12 +387,15 @@ def _model_settings(config, cfg: rag.RagConfig, p_cfg: bert.BertConfig):
                 f"config.model.generator_frozen_encoder_layers={setting} exceeds the generator's "
                 f"{layers} encoder layers"
             )
-        settings.check_frozen_encoder(config.train.freeze, frozen, setting)
-        cfg = cfg.replace(generator=cfg.generator.replace(frozen_encoder_layers=frozen))
+        g_cfg = cfg.generator.replace(frozen_encoder_layers=frozen)
+        settings.check_frozen_encoder(config.train.freeze, g_cfg, setting)
+        cfg = cfg.replace(generator=g_cfg)
+        generator = bart.untie_encoder_embedding(params["generator"])
+        params = dict(params, generator=generator)
     # Both towers' vector: [CLS] (DPR) or the mean over tokens, normalised or not.
     pooling = dict(pooling=m.pooling, normalize=m.normalize_embeddings)
     cfg = cfg.replace(question_encoder=cfg.question_encoder.replace(**pooling))
-    return cfg, p_cfg.replace(**pooling)
+    return cfg, p_cfg.replace(**pooling), params
 
 
 def _bert_generator(m, tokenizer, rng, dtype):
@@ -513,7 +518,7 @@ def model_shapes(config: ml_collections.ConfigDict):
             "passage_encoder": _init_bert(p_cfg, rng),
         }
     )
-    return (*_model_settings(config, cfg, p_cfg), params, sources)
+    return (*_model_settings(config, cfg, p_cfg, params), sources)
 
 
 def _llama_architecture(path, **overrides) -> llama.LlamaConfig:

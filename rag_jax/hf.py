@@ -388,7 +388,9 @@ def bart_config_from_hf(config: dict, **overrides) -> bart.BartConfig:
             f"BART config field activation_function={config['activation_function']!r} is not "
             f"supported (one of {sorted(layers.ACTIVATIONS)})"
         )
-    fields = {f for f in bart.BartConfig.__dataclass_fields__}
+    # HF's BART has no LayerNorm eps field: a `layer_norm_eps` in its config changes nothing
+    # there (every LayerNorm uses 1e-5), so it changes nothing here either.
+    fields = {f for f in bart.BartConfig.__dataclass_fields__} - {"layer_norm_eps"}
     values = {k: v for k, v in config.items() if k in fields}
     values.update(overrides)
     return bart.BartConfig(**values)

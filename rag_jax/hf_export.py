@@ -23,9 +23,11 @@
 returns the same parameters.
 
 Refused, with the reason: a model HF's classes cannot compute (a question encoder that pools other
-than by its [CLS] state, parameters with no HF tensor, a BOS that HF's `RagConfig` cannot express,
-a tokenizer without `save_pretrained`). A BERT pooler (a plain BERT checkpoint as the question
-encoder) is left out with a warning: DPR has none, and the retrieval vector never reads it.
+than by its [CLS] state, a generator whose LayerNorm eps is not BART's 1e-5 or whose encoder's own
+token embedding differs from the shared one, parameters with no HF tensor, a BOS that HF's
+`RagConfig` cannot express, a tokenizer without `save_pretrained`). A BERT pooler (a plain BERT
+checkpoint as the question encoder) is left out with a warning: DPR has none, and the retrieval
+vector never reads it.
 
 Legend: C corpus size, D vector width, V vocab.
 """
@@ -47,6 +49,8 @@ __all__ = ["ExportError", "save_bart", "save_dpr", "save_passages", "save_rag"]
 # Fields of our configs that say how rag_jax runs a model, not which function it computes.
 # Settings of how rag_jax runs or trains a tower, not of the model HF builds.
 _RUNTIME = ("dtype", "param_dtype", "remat", "with_pooler", "frozen_encoder_layers")
+# HF's BART builds every LayerNorm with PyTorch's default eps and has no field to change it.
+HF_BART_LAYER_NORM_EPS = 1e-5
 _DPR_PREFIX = {"question": "question_encoder.", "context": "ctx_encoder."}
 _DPR_CLASS = {"question": "DPRQuestionEncoder", "context": "DPRContextEncoder"}
 _RAG_CLASS = {"sequence": "RagSequenceForGeneration", "token": "RagTokenForGeneration"}
@@ -110,8 +114,40 @@ def _bert_state(cfg: bert.BertConfig, params, prefix: str, what: str) -> dict[st
     return state
 
 
+def _tied_bart(cfg: bart.BartConfig, params) -> dict:
+    """`params` as HF's BART holds them, or `ExportError` where HF computes another function.
+
+    HF's BART runs every LayerNorm at eps 1e-5 whatever its config says, and ties the encoder's
+    and the decoder's token embeddings and the LM head to one table. A generator with its own
+    encoder embedding (`frozen_encoder_layers > 0`, `models.bart`) exports exactly while that
+    copy equals the shared table (e.g. when `generator/shared` is frozen too), and is refused
+    once they differ.
+    """
+    if cfg.layer_norm_eps != HF_BART_LAYER_NORM_EPS:
+        raise ExportError(
+            f"the generator's LayerNorms use layer_norm_eps={cfg.layer_norm_eps!r} (e.g. BERT's, "
+            f"for a generator initialised from BERT); HF's BART ignores that field and always "
+            f"uses {HF_BART_LAYER_NORM_EPS}, so this model has no HF equivalent"
+        )
+    encoder = params["encoder"]
+    if "embed_tokens" not in encoder:
+        return params
+    own, shared = encoder["embed_tokens"]["embedding"], params["shared"]["embedding"]
+    if not np.array_equal(np.asarray(own), np.asarray(shared)):
+        raise ExportError(
+            "the generator's encoder reads its own token embedding (encoder/embed_tokens/"
+            "embedding, untied from shared/embedding for its fixed layers, "
+            f"frozen_encoder_layers={cfg.frozen_encoder_layers}), and the two now differ; HF's "
+            "BART ties the encoder's embedding to the decoder's and the LM head's, so this "
+            "model has no HF equivalent (it exports while both are equal: freeze "
+            "generator/shared/ too)"
+        )
+    return dict(params, encoder={k: v for k, v in encoder.items() if k != "embed_tokens"})
+
+
 def _bart_state(cfg: bart.BartConfig, params, prefix: str) -> dict[str, np.ndarray]:
     """BartForConditionalGeneration tensors of a Bart tree; `prefix` e.g. 'model.'."""
+    params = _tied_bart(cfg, params)
     state, unmapped = {}, []
     for ours, value in _flat(params).items():
         name = hf.bart_name(ours, prefix)
@@ -150,8 +186,10 @@ def _dpr_config(cfg: bert.BertConfig, kind: str):
 
 
 def _bart_config(cfg: bart.BartConfig):
+    # layer_norm_eps is no BartConfig field (HF's BART ignores it; `_tied_bart` checks ours).
+    values = {k: v for k, v in _fields(cfg).items() if k != "layer_norm_eps"}
     return transformers.BartConfig(
-        **_fields(cfg),
+        **values,
         tie_word_embeddings=True,
         dtype=cfg.param_dtype,
         architectures=["BartForConditionalGeneration"],

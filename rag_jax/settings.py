@@ -20,6 +20,7 @@ import sys
 import ml_collections
 
 from rag_jax import hf, sharding
+from rag_jax.models import bart
 
 # section -> {key: (default, what it does)}; "" holds the top-level settings.
 SCHEMA: dict[str, dict[str, tuple]] = {
@@ -79,7 +80,11 @@ SCHEMA: dict[str, dict[str, tuple]] = {
         ),
         "dtype": ("float32", "compute dtype: float32 | bfloat16 (parameters stay float32)"),
         "remat": (False, "rematerialise layers in the backward pass"),
-        "deterministic": (True, "no dropout (the tiny models underfit, not overfit)"),
+        "deterministic": (
+            True,
+            "no dropout in training, the joint steps' and the reader warm start's (the tiny "
+            "models underfit, not overfit); False: the models' own dropout rates",
+        ),
         "question_encoder": (
             {
                 "hidden_size": 64,
@@ -332,17 +337,43 @@ def describe(key: str) -> str:
     return SCHEMA[section][name][1]
 
 
-def check_frozen_encoder(freeze: str, layers: int, setting: int) -> None:
-    """Raises unless `freeze` (`train.freeze`) freezes the generator encoder's embeddings and
-    its first `layers` layers, which `generator_frozen_encoder_layers=setting` cuts off."""
-    needed = [f"generator/encoder/layer_{layers - 1}/mlp/wi/kernel"]
-    needed += ["generator/encoder/positions/embedding"]
-    if not (freeze and all(re.search(freeze, p) for p in needed)):
+def _frozen_stub(layers: int) -> bart.BartConfig:
+    """A tiny BART with the parameter names of a generator whose first `layers` encoder layers
+    are fixed (the names below the cut do not depend on the widths), for start-up checks made
+    before the generator is built."""
+    return bart.BartConfig(
+        vocab_size=2,
+        d_model=2,
+        encoder_layers=layers,
+        decoder_layers=1,
+        encoder_attention_heads=1,
+        decoder_attention_heads=1,
+        encoder_ffn_dim=2,
+        decoder_ffn_dim=2,
+        max_position_embeddings=2,
+        frozen_encoder_layers=layers,
+    )
+
+
+def check_frozen_encoder(freeze: str, generator: bart.BartConfig, setting: int) -> None:
+    """Raises unless `freeze` (`train.freeze`) freezes every generator parameter below the
+    encoder's cut (`generator.frozen_encoder_layers`, from `generator_frozen_encoder_layers=
+    setting`): the encoder's own input embedding, positions, embedding LayerNorm and layers, as
+    `bart.frozen_encoder_paths` reads them from the parameter shapes. The stop-gradient keeps
+    their gradient at zero, but the optimizer (weight decay, Adam's state) would still move
+    them."""
+    needed = [f"generator/{p}" for p in bart.frozen_encoder_paths(generator)]
+    trained = [p for p in needed if not (freeze and re.search(freeze, p))]
+    if trained:
+        layers = generator.frozen_encoder_layers
+        shown = ", ".join(trained[:4]) + (
+            f" and {len(trained) - 4} more" if len(trained) > 4 else ""
+        )
         raise ValueError(
             f"config.model.generator_frozen_encoder_layers={setting} stops the gradient at the "
-            f"generator's encoder, but config.train.freeze={freeze!r} leaves those layers "
-            f"trainable (weight decay would still move them); freeze generator/encoder/ "
-            f"(positions, ln_embedding and layer_0 to layer_{layers - 1})"
+            f"generator's encoder, but config.train.freeze={freeze!r} leaves {shown} trainable "
+            f"(weight decay would still move them); freeze generator/encoder/ (embed_tokens, "
+            f"positions, ln_embedding and layer_0 to layer_{layers - 1})"
         )
 
 
@@ -624,7 +655,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int, *, paths: bool
             f"count of layers, got {frozen!r}"
         )
     if frozen:  # the last frozen layer is checked once the generator is built (experiment)
-        check_frozen_encoder(tc.freeze, max(frozen, 1), frozen)
+        check_frozen_encoder(tc.freeze, _frozen_stub(max(frozen, 1)), frozen)
     refresh_every = config.retrieval.refresh_every
     passage_frozen = bool(tc.freeze) and re.search(tc.freeze, "passage_encoder/") is not None
     if refresh_every and passage_frozen:

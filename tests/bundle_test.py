@@ -384,3 +384,32 @@ def test_a_bundle_of_an_earlier_checkpoint_step(tiny_trained_run, tmp_path):
     assert any(not np.array_equal(a, b) for a, b in zip(flat(at_3), flat(at_6), strict=True))
     with pytest.raises(FileNotFoundError, match=r"no checkpoint step 4 .*its steps: \[3, 6\]"):
         loop.restore(workdir, step=4)
+
+
+def test_a_generator_with_a_fixed_encoder_round_trips_its_own_embedding(tmp_path):
+    """`generator_frozen_encoder_layers`: the encoder's own embedding (`encoder/embed_tokens`)
+    is read back by the shapes of the saved config, apart from the shared table that trained."""
+    from rag_jax import experiment
+
+    freeze = r"^(passage_encoder/|generator/final_logits_bias|generator/encoder/)"
+    overrides = {"warm_start.method": "none", "warm_start.reader_steps": 0,
+                 "train.freeze": freeze, "model.generator_frozen_encoder_layers": -1}  # fmt: skip
+    config = tiny_config(**overrides)
+    exp = experiment.build(config, tmp_path / "run")
+    g_cfg = exp.rag_cfg.generator
+    assert g_cfg.frozen_encoder_layers == g_cfg.encoder_layers
+    params = jax.tree.map(np.array, exp.params)
+    params["generator"]["shared"]["embedding"] *= 1.5  # as if the decoder and head had trained
+    model = bundle.Bundle.from_experiment(exp, params, step=0)
+    model.save(tmp_path / "bundle")
+    loaded = bundle.load(tmp_path / "bundle")
+    assert loaded.rag_cfg == exp.rag_cfg
+    flat = lambda tree: jax.tree_util.tree_leaves_with_path(tree)  # noqa: E731
+    for (path, got), (_, want) in zip(flat(loaded.params), flat(params), strict=True):
+        np.testing.assert_array_equal(got, want, err_msg=jax.tree_util.keystr(path))
+    own = loaded.params["generator"]["encoder"]["embed_tokens"]["embedding"]
+    assert not np.array_equal(own, loaded.params["generator"]["shared"]["embedding"])
+    questions = [e.question for e in exp.eval[:4]]
+    assert [a.answer for a in loaded.answer(questions)] == [
+        a.answer for a in model.answer(questions)
+    ]

@@ -194,6 +194,30 @@ def test_every_schema_key_is_read_by_the_library():
 # squad_open: split by article, and a few real steps
 
 
+def test_a_fixed_generator_encoder_must_be_frozen_whole_below_its_cut():
+    """`check_frozen_encoder` reads every parameter path below the cut from the parameter
+    shapes: the encoder's own embedding, positions, embedding LayerNorm and each layer."""
+    cfg = bart.BartConfig(
+        vocab_size=11, d_model=8, encoder_layers=3, decoder_layers=1, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=12, decoder_ffn_dim=12,
+        max_position_embeddings=16, frozen_encoder_layers=2,
+    )  # fmt: skip
+    settings.check_frozen_encoder(r"^(passage_encoder/|generator/encoder/)", cfg, -1)
+    below = r"^generator/encoder/(embed_tokens|positions|ln_embedding|layer_[01])/"
+    settings.check_frozen_encoder(below, cfg, 2)  # layer_2, above the cut, may train
+    with pytest.raises(ValueError, match=r"=2 stops the gradient .* leaves "
+                       r"generator/encoder/embed_tokens/embedding trainable"):  # fmt: skip
+        settings.check_frozen_encoder(r"^generator/encoder/(positions|ln_|layer_)", cfg, 2)
+    # The positions and the last frozen layer's first kernel are not the whole encoder.
+    partial = r"^generator/encoder/(embed_tokens|positions|layer_1/mlp/wi)/"
+    with pytest.raises(ValueError, match=r"leaves generator/encoder/layer_0/.* and \d+ more "
+                       r"trainable"):  # fmt: skip
+        settings.check_frozen_encoder(partial, cfg, 2)
+    with pytest.raises(ValueError, match=r"freeze generator/encoder/ \(embed_tokens, positions, "
+                       r"ln_embedding and layer_0 to layer_1\)"):  # fmt: skip
+        settings.check_frozen_encoder("", cfg, 2)
+
+
 def test_split_by_title_holds_out_whole_articles():
     titles = {f"{t}_{i}": t for t in "ABCDE" for i in range(2)}
     examples = [
@@ -259,11 +283,15 @@ def test_squad_open_builds_and_trains(shared_data, tmp_path):
     minilm = exp.params["question_encoder"]["layer_0"]["mlp"]["wi"]["kernel"]
     mapped = exp.params["generator"]["encoder"]["layer_0"]["mlp"]["wi"]["kernel"]
     np.testing.assert_array_equal(mapped, minilm)  # the reader left the encoder alone
+    # ... its input embedding too: its own copy of MiniLM's, while the shared table trained.
+    generator = exp.params["generator"]
+    words = exp.params["question_encoder"]["word_embeddings"]["embedding"]
+    np.testing.assert_array_equal(generator["encoder"]["embed_tokens"]["embedding"], words)
+    assert not np.array_equal(generator["shared"]["embedding"], words)
     logs = list((tmp_path / "build" / "warm_start").glob("*.log.json"))
-    assert len(logs) == 1 and set(json.loads(logs[0].read_text())["log"]["examples"]) == {
-        "qa",
-        "ssm",
-    }
+    assert len(logs) == 1
+    record = json.loads(logs[0].read_text())["log"]
+    assert set(record["examples"]) == set(record["answer_cut"]) == {"qa", "ssm"}
 
     summary = loop.train_and_evaluate(config, tmp_path / "work")
     assert summary["steps"] == 2

@@ -16,7 +16,7 @@ from safetensors import safe_open
 
 import hf_fixtures
 from rag_jax import bundle, hf, rag
-from rag_jax.models import bert
+from rag_jax.models import bart, bert
 from rag_jax.training.inputs import answer_labels, question_tokens
 
 _CLASSES = {
@@ -158,6 +158,42 @@ def test_models_without_an_hf_equivalent_are_refused(tmp_path):
         hf.save_rag(tmp_path / "scaled", scaled, rag_params)
     assert not (tmp_path / "scaled").exists()
     assert json.loads((tmp_path / "rag" / "config.json").read_text())["model_type"] == "rag"
+
+
+def test_bart_generators_hf_cannot_compute_are_refused(tmp_path):
+    """HF's BART runs its LayerNorms at eps 1e-5 whatever the config says (a BERT-initialised
+    generator's 1e-12 would change its logits), and ties the encoder's token embedding to the
+    shared one: an untied copy exports while it equals the shared table, and is refused once
+    they differ. Nothing is written before a refusal."""
+    torch_model = hf_fixtures.save_bart(tmp_path / "bart", seed=9)
+    cfg, params = hf.load_bart(tmp_path / "bart")
+    bert_eps = cfg.replace(layer_norm_eps=1e-12)
+    with pytest.raises(hf.ExportError, match=r"layer_norm_eps=1e-12 .*always uses 1e-05"):
+        hf.save_bart(tmp_path / "eps", bert_eps, params)
+    assert not (tmp_path / "eps").exists()
+    save_rag(tmp_path / "rag", "token", seed=3)
+    rag_cfg, rag_params = hf.load_rag(tmp_path / "rag")
+    eps_rag = rag_cfg.replace(generator=rag_cfg.generator.replace(layer_norm_eps=1e-12))
+    with pytest.raises(hf.ExportError, match=r"layer_norm_eps=1e-12"):
+        hf.save_rag(tmp_path / "eps_rag", eps_rag, rag_params)
+    assert not (tmp_path / "eps_rag").exists()
+
+    # A fixed encoder's own embedding, still equal to the shared one: the export is exact.
+    frozen = cfg.replace(frozen_encoder_layers=cfg.encoder_layers)
+    untied = bart.untie_encoder_embedding(params)
+    hf.save_bart(tmp_path / "untied", frozen, untied)
+    reloaded = _from_pretrained(transformers.BartForConditionalGeneration, tmp_path / "untied")
+    _assert_same_state(reloaded, torch_model)
+    # ... and refused once the shared table has moved without it.
+    moved = copy.deepcopy(untied)
+    moved["shared"]["embedding"][3, 0] += 1e-3
+    refused = (
+        r"own token embedding \(encoder/embed_tokens/embedding.*frozen_encoder_layers="
+        rf"{cfg.encoder_layers}\), and the two now differ"
+    )
+    with pytest.raises(hf.ExportError, match=refused):
+        hf.save_bart(tmp_path / "moved", frozen, moved)
+    assert not (tmp_path / "moved").exists()
 
 
 # ---------------------------------------------------------------------------------------------

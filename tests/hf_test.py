@@ -43,6 +43,17 @@ def test_wrong_shape_is_named(tmp_path):
         hf.load_bert(tmp_path)
 
 
+def test_a_bart_config_layer_norm_eps_changes_nothing_as_in_hf(tmp_path):
+    """HF's BART has no LayerNorm eps field: one in config.json (e.g. a BERT-initialised
+    generator's 1e-12) is stored but every LayerNorm runs at 1e-5, and so they do here."""
+    model = hf_fixtures.save_bart(tmp_path, layer_norm_eps=1e-12)
+    assert json.loads((tmp_path / "config.json").read_text())["layer_norm_eps"] == 1e-12
+    norms = [m for m in model.modules() if isinstance(m, torch.nn.LayerNorm)]
+    assert norms and {m.eps for m in norms} == {1e-5}
+    assert hf.load_bart(tmp_path)[0].layer_norm_eps == 1e-5
+    assert hf.bart_architecture(tmp_path).layer_norm_eps == 1e-5
+
+
 def test_wrong_architecture_says_what_was_found(tmp_path):
     hf_fixtures.save_bart(tmp_path)
     with pytest.raises(hf.CheckpointError, match=r"model_type 'bart'.*\('bert',\)"):

@@ -623,7 +623,7 @@ def test_a_store_build_killed_before_its_manifest_is_rebuilt(built, tmp_path):
          r"config\.rag\.doc_score_scale must be a positive number, got 0\.0"),
         ({"model.generator_frozen_encoder_layers": 2}, ValueError,
          r"generator_frozen_encoder_layers=2 stops the gradient .* freeze generator/encoder/ "
-         r"\(positions, ln_embedding and layer_0 to layer_1\)"),
+         r"\(embed_tokens, positions, ln_embedding and layer_0 to layer_1\)"),
         ({"warm_start.reader_data": "files"}, ValueError,
          r"config\.warm_start\.reader_questions_path is not set"),
         ({"model.pooling": "max"}, ValueError,

@@ -16,11 +16,14 @@ contrastive loss), so p(z|x) is not flat over the top 5. The passage tower stays
 paper.
 
 Generator: BART warm-started from the same MiniLM (Rothe et al. 2020, `models/bert2bart.py`):
-its encoder is MiniLM's first 3 layers, fixed (no backward through it); the decoder's
-self-attention and feed-forward come from MiniLM's layers and its cross-attention is fresh; the LM
-head is the tied WordPiece embedding. Before joint training it learns to read on SQuAD *train*
-(question, gold paragraph) -> answer (`warm_start.reader_*`, cached by fingerprint and shared by
-every row and seed through `warm_start.cache_dir`); nothing of the dev set is read.
+its encoder is MiniLM's first 3 layers, fixed (no backward through it), reading its own fixed copy
+of MiniLM's WordPiece embedding; the decoder's self-attention and feed-forward come from MiniLM's
+layers and its cross-attention is fresh; the decoder's input and the LM head share the WordPiece
+embedding, which trains. Before joint training it learns to read on SQuAD *train* (question, gold
+paragraph) -> answer (`warm_start.reader_*`, cached by fingerprint and shared by every row and
+seed through `warm_start.cache_dir`), leaving out the questions whose answer the 192-token context
+cuts off; nothing of the dev set is read. EM is scored against the gold answers as the uncased
+WordPiece tokenizer writes them (`evaluation.written_answers`: a perfect copy scores 1.0).
 
 The comparison (README "Real data"; `experiments/squad_study.py` runs all rows and seeds):
     row 2, frozen retriever: --config.train.retriever_lr_factor=0
@@ -39,7 +42,8 @@ from rag_jax import settings
 DATA_DIR = pathlib.Path(__file__).resolve().parents[2].parent / "shared" / "data"
 TRAIN, DEV = DATA_DIR / "squad11_train", DATA_DIR / "squad11_dev"
 # Frozen: the passage tower (its stored vectors stay valid), BART's logits bias (a buffer in the
-# reference) and the generator's encoder (MiniLM's layers, `generator_frozen_encoder_layers`).
+# reference) and the generator's encoder (MiniLM's layers and the encoder's own embedding,
+# `generator_frozen_encoder_layers`).
 FREEZE = r"^(passage_encoder/|generator/final_logits_bias|generator/encoder/)"
 
 
@@ -83,6 +87,9 @@ def get_config(variant: str = ""):
     config.model.generator_decoder_init = "bert"
     config.model.generator_frozen_encoder_layers = -1  # all of them
     # BERT fixes the widths, heads, vocabulary and positions; these are the other BartConfig fields.
+    # Dropout 0.1 (Rothe et al.'s) applies in training only with --config.model.deterministic=False
+    # (the reader warm start and the joint steps); off here, as the reported runs had it: the
+    # reader sees under one epoch of SQuAD train (3,000 x 16 of 87,599 questions).
     config.model.generator = ml_collections.ConfigDict(dict(dropout=0.1, init_std=0.02))
 
     config.warm_start.method = "none"  # MiniLM is already a trained retriever

@@ -6,16 +6,23 @@ learned positions with BART's offset of 2, `layernorm_embedding`, post-LN layers
 encoder runs once per context and the decoder runs step by step with a key/value cache
 (`init_cache` + `decode(..., decode=True)`), or over a whole target with teacher forcing.
 
+A generator whose lower encoder is fixed (`frozen_encoder_layers > 0`) gives its encoder its own
+token embedding, `encoder/embed_tokens`, which starts as a copy of the shared one
+(`untie_encoder_embedding`): the shared table trains through the decoder and the LM head, and a
+tied encoder input would move with it.
+
 Legend: B batch, S source length, T target length, H hidden (d_model), V vocab.
 """
 
 import dataclasses
 import functools
 import math
+import re
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from rag_jax.models import layers
 
@@ -45,9 +52,11 @@ class BartConfig:
     # probability, as HF's BART does; inference runs every layer.
     encoder_layerdrop: float = 0.0
     decoder_layerdrop: float = 0.0
-    # No gradient flows into the encoder's first k layers (nor through them into the shared
-    # embedding): a generator whose lower encoder is a fixed pretrained one (`models.bert2bart`)
-    # skips their backward pass. k = encoder_layers fixes the whole encoder.
+    # No gradient flows into the encoder's first k layers: a generator whose lower encoder is a
+    # fixed pretrained one (`models.bert2bart`) skips their backward pass. k = encoder_layers
+    # fixes the whole encoder. k > 0 also gives the encoder its own input embedding
+    # (`encoder/embed_tokens`, untied from the decoder's and the LM head's `shared`, which keep
+    # training): the layers below the cut then compute a fixed function of the input ids.
     frozen_encoder_layers: int = 0
     init_std: float = 0.02
     layer_norm_eps: float = 1e-5
@@ -79,10 +88,13 @@ def _check_ids(name: str, ids: jax.Array, max_positions: int) -> None:
 
 
 class _Stack(nn.Module):
-    """Embedding + layernorm_embedding + layers: BART's encoder (cross=False) or decoder."""
+    """Embedding + layernorm_embedding + layers: BART's encoder (cross=False) or decoder.
+
+    `shared` None: the stack has its own token embedding (`embed_tokens`).
+    """
 
     config: BartConfig
-    shared: nn.Embed
+    shared: nn.Embed | None
     cross: bool
 
     @nn.compact
@@ -106,8 +118,18 @@ class _Stack(nn.Module):
             embedding_init=nn.initializers.normal(cfg.init_std),
             name="positions",
         )
+        tokens = self.shared
+        if tokens is None:
+            tokens = nn.Embed(
+                cfg.vocab_size,
+                cfg.d_model,
+                dtype=dtype,
+                param_dtype=param_dtype,
+                embedding_init=nn.initializers.normal(cfg.init_std),
+                name="embed_tokens",
+            )
         pos = start + jnp.arange(ids.shape[1])[None, :] + POSITION_OFFSET
-        x = self.shared(ids) * jnp.asarray(scale, dtype) + positions(pos)
+        x = tokens(ids) * jnp.asarray(scale, dtype) + positions(pos)
         x = nn.LayerNorm(
             epsilon=cfg.layer_norm_eps, dtype=dtype, param_dtype=param_dtype, name="ln_embedding"
         )(x)
@@ -158,7 +180,9 @@ class Bart(nn.Module):
             param_dtype=jnp.dtype(cfg.param_dtype),
             embedding_init=nn.initializers.normal(cfg.init_std),
         )
-        self.encoder = _Stack(cfg, self.shared, cross=False)
+        # A fixed lower encoder reads its own copy of the embedding (see BartConfig).
+        own = cfg.frozen_encoder_layers > 0
+        self.encoder = _Stack(cfg, None if own else self.shared, cross=False)
         self.decoder = _Stack(cfg, self.shared, cross=True)
         # A buffer in the PyTorch model (never trained there); kept with the parameters so that
         # checkpoints carry it. Freeze it in training to keep the reference's behaviour.
@@ -342,6 +366,50 @@ def decode_step_fn(model: Bart, params, encoder_mask: jax.Array):
         return logits, variables["cache"]
 
     return step_fn
+
+
+def untie_encoder_embedding(params) -> dict:
+    """The parameters of a Bart with `frozen_encoder_layers > 0` from those of a tied one.
+
+    The encoder's own embedding (`encoder/embed_tokens/embedding`) starts as a copy of the
+    shared one, so the model computes what the tied model computes until `shared` trains.
+    Arrays are copied, numpy as numpy and jax as jax (a train step donates its state, and one
+    buffer must not be two leaves); `jax.ShapeDtypeStruct` leaves (planned shapes) are taken as
+    they are.
+
+    Args:
+      params: a Bart tree without `encoder/embed_tokens` (as `frozen_encoder_layers=0` makes).
+
+    Returns:
+      A new tree (the input is left alone) with `encoder/embed_tokens/embedding` [V, H].
+    """
+    if "embed_tokens" in params["encoder"]:
+        raise ValueError("the generator's encoder already has its own embedding (embed_tokens)")
+    shared = params["shared"]["embedding"]
+    if isinstance(shared, np.ndarray):
+        shared = np.array(shared)
+    elif not isinstance(shared, jax.ShapeDtypeStruct):
+        shared = jnp.array(shared, copy=True)
+    encoder = dict(params["encoder"], embed_tokens={"embedding": shared})
+    return dict(params, encoder=encoder)
+
+
+def frozen_encoder_paths(config: BartConfig) -> list[str]:
+    """Every parameter path below the encoder's cut (`frozen_encoder_layers`), e.g.
+    `encoder/embed_tokens/embedding`, `encoder/positions/embedding`, `encoder/layer_0/...`: what
+    the stop-gradient leaves fixed, read from the parameter shapes."""
+    frozen = config.frozen_encoder_layers
+    if frozen <= 0:
+        return []
+    paths = []
+    for path, _ in jax.tree_util.tree_flatten_with_path(param_shapes(config))[0]:
+        names = [str(getattr(k, "key", k)) for k in path]
+        if names[0] != "encoder":
+            continue
+        layer = re.fullmatch(r"layer_(\d+)", names[1])
+        if layer is None or int(layer.group(1)) < frozen:
+            paths.append("/".join(names))
+    return sorted(paths)
 
 
 @functools.cache

@@ -4,7 +4,9 @@
 A BERT layer (self-attention, add & norm, GELU feed-forward, add & norm) is exactly a post-LN BART
 encoder layer, so the mapping onto `models.bart.Bart` is:
 
-- the shared token embedding (encoder, decoder and the tied LM head) <- BERT's word embeddings;
+- the shared token embedding (encoder, decoder and the tied LM head) <- BERT's word embeddings,
+  and, for a generator whose encoder is fixed (`frozen_encoder_layers > 0`), the encoder's own
+  copy (`encoder/embed_tokens`) <- the same word embeddings;
 - both position tables <- BERT's position embeddings with BART's offset of 2 (row p + 2 holds
   BERT's position p; the two offset rows are never read) and BERT's token-type-0 embedding folded
   in (BERT adds it to every token; BART has no token types);
@@ -155,6 +157,8 @@ def map_params(
         out[bart_path] = value.astype(fresh[bart_path].dtype)
 
     take(("word_embeddings", "embedding"), ("shared", "embedding"))
+    if cfg.frozen_encoder_layers > 0:  # a fixed encoder reads its own copy (`models.bart`)
+        take(("word_embeddings", "embedding"), ("encoder", "embed_tokens", "embedding"))
     position = ("position_embeddings", "embedding")
     token_type = ("token_type_embeddings", "embedding")
     for part in (position, token_type):

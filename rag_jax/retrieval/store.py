@@ -493,6 +493,49 @@ class PassageStore:
           input_ids: `[B * N, S] int32`, row `b * N + n` for question b and its n-th passage.
           attention_mask: `[B * N, S] int32`, 1 on real tokens (a prefix of each row).
         """
+        questions, flat_idx, starts, ends = self._cut(
+            passage_idx, question_token_ids, max_length, question_mask, keep_question
+        )
+        batch, n_docs = np.shape(passage_idx)
+        n_prefix, n_suffix = len(self._prefix_ids), len(self._suffix_ids)
+        input_ids = np.full((batch * n_docs, max_length), self.manifest["pad_id"], np.int32)
+        attention_mask = np.zeros((batch * n_docs, max_length), np.int32)
+        input_ids[:, :n_prefix] = self._prefix_ids
+        for row in range(batch * n_docs):
+            p_end = n_prefix + ends[row] - starts[row]
+            input_ids[row, n_prefix:p_end] = self._tokens[starts[row] : ends[row]]
+            question = questions[row // n_docs][: max_length - n_suffix - p_end]
+            q_end = p_end + len(question)
+            input_ids[row, p_end:q_end] = question
+            input_ids[row, q_end : q_end + n_suffix] = self._suffix_ids
+            attention_mask[row, : q_end + n_suffix] = 1
+        return input_ids, attention_mask
+
+    def kept_passage_tokens(
+        self,
+        passage_idx,
+        question_token_ids,
+        max_length: int,
+        question_mask=None,
+        keep_question: bool = False,
+    ) -> np.ndarray:
+        """`[B * N] int64`: how many of each passage piece's tokens (`passage_token_ids`) the
+        rows of `context_tokens(...)` with the same arguments keep."""
+        _, _, starts, ends = self._cut(
+            passage_idx, question_token_ids, max_length, question_mask, keep_question
+        )
+        return ends - starts
+
+    def passage_piece(self, i: int) -> str:
+        """The string passage i's tokens were made from (`passage_token_ids`): prefix, title
+        (quotes stripped), title_sep, text and the head of doc_sep, double spaces rewritten."""
+        m = self.manifest
+        sep_head = _split_doc_sep(m["doc_sep"])[0]
+        return _passage_piece(self.passage(i), m["prefix"], m["title_sep"], sep_head)
+
+    def _cut(self, passage_idx, question_token_ids, max_length, question_mask, keep_question):
+        """(question rows, flat passage rows [B * N], token starts, token ends) of each context's
+        passage part: the arguments of `context_tokens`, checked."""
         passage_idx = np.asarray(passage_idx)
         if passage_idx.ndim != 2 or not np.issubdtype(passage_idx.dtype, np.integer):
             raise ValueError(
@@ -520,18 +563,7 @@ class PassageStore:
             asked = np.array([min(len(q), budget) for q in questions], np.int64)
             room = room - np.repeat(asked, n_docs)
         ends = np.minimum(np.asarray(self._token_offsets[flat_idx + 1]), starts + room)
-        input_ids = np.full((batch * n_docs, max_length), self.manifest["pad_id"], np.int32)
-        attention_mask = np.zeros((batch * n_docs, max_length), np.int32)
-        input_ids[:, :n_prefix] = self._prefix_ids
-        for row in range(batch * n_docs):
-            p_end = n_prefix + ends[row] - starts[row]
-            input_ids[row, n_prefix:p_end] = self._tokens[starts[row] : ends[row]]
-            question = questions[row // n_docs][: max_length - n_suffix - p_end]
-            q_end = p_end + len(question)
-            input_ids[row, p_end:q_end] = question
-            input_ids[row, q_end : q_end + n_suffix] = self._suffix_ids
-            attention_mask[row, : q_end + n_suffix] = 1
-        return input_ids, attention_mask
+        return questions, flat_idx, starts, ends
 
 
 def _check_sha256(path: pathlib.Path, expected: str | None, manifest: pathlib.Path) -> None:

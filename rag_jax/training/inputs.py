@@ -79,19 +79,14 @@ def answer_labels(tokenizer, answers, rag_cfg: rag.RagConfig, max_length: int) -
     take the exact form of what generation produces and rescoring scores.
 
     A causal generator's labels are the answer tokens and EOS (what it generates after the
-    prompt); an answer longer than T keeps its first T tokens and no EOS, so a cut answer never
-    teaches the generator to stop early.
+    prompt). Either way a row whose EOS does not fit in T is cut to its first T tokens and gets
+    no EOS, so a cut answer never teaches the generator to stop early.
     """
     gen = rag_cfg.generator
     out = np.full((len(answers), max_length), gen.pad_token_id, np.int32)
-    if rag_cfg.causal:
-        for i, answer in enumerate(answers):
-            ids = tokenizer(answer, add_special_tokens=False)["input_ids"]
-            row = [*ids, gen.eos_token_id][:max_length]
-            out[i, : len(row)] = row
-        return out
+    start = [] if rag_cfg.causal else [gen.decoder_start_token_id, rag_cfg.bos_token_id]
     for i, answer in enumerate(answers):
-        ids = tokenizer(answer, add_special_tokens=False)["input_ids"][: max_length - 3]
-        row = [gen.decoder_start_token_id, rag_cfg.bos_token_id, *ids, gen.eos_token_id]
+        ids = tokenizer(answer, add_special_tokens=False)["input_ids"]
+        row = [*start, *ids, gen.eos_token_id][:max_length]
         out[i, : len(row)] = row
     return out

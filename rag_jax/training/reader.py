@@ -22,6 +22,90 @@ from rag_jax.training.optim import make_optimizer, warm_start_settings
 from rag_jax.training.step import init_state, make_step
 
 _READER = 2  # the seed's stream for the reader's batches (ICT uses 0 and 1)
+_DROPOUT = 3  # the seed's stream for the reader's dropout keys
+# BartConfig's rates: the generator drops something in training when one of them is above 0.
+_DROPOUT_RATES = (
+    "dropout",
+    "attention_dropout",
+    "activation_dropout",
+    "encoder_layerdrop",
+    "decoder_layerdrop",
+)
+
+
+def uses_dropout(generator_cfg) -> bool:
+    """Whether a generator config drops anything in training (a causal one has no rates)."""
+    return any(getattr(generator_cfg, name, 0.0) > 0.0 for name in _DROPOUT_RATES)
+
+
+def _passage_rows(store, *pools) -> dict:
+    """{passage id: store row}, checked: every example of `pools` names a passage of `store`."""
+    row = {pid: i for i, pid in enumerate(store.ids)}
+    for pool in pools:
+        missing = [e for e in pool if not e.gold_ids or e.gold_ids[0] not in row]
+        if missing:
+            first = missing[0]
+            raise ValueError(
+                f"{len(missing)} examples name no passage of the store, e.g. {first.id} (gold "
+                f"passage {first.gold_ids[0] if first.gold_ids else None!r})"
+            )
+    return row
+
+
+def answers_in_context(
+    store, tokenizer, examples, context_length: int, keep_question: bool = False
+) -> np.ndarray:
+    """Which examples' answers the reader's context still shows: `[E] bool`.
+
+    A context keeps the first tokens of the passage piece (`store.context_tokens`; with
+    `keep_question` it cuts the passage to leave room for the whole question). The answer
+    trained on (`answers[0]`) counts as shown when its first occurrence in the passage piece
+    (title or text) ends, on the character level, within the characters of the kept tokens
+    (the tokenizer's offsets). An answer that does not occur in the passage at all is not shown
+    either.
+
+    Args:
+      store: the reader's `PassageStore`.
+      tokenizer: its tokenizer (a fast one: the check reads its character offsets).
+      examples: `data.Example`s; `gold_ids[0]` names each one's passage in `store`.
+      context_length: S, the reader's context tokens.
+      keep_question: as the reader's contexts are cut (`config.rag.keep_question`).
+
+    Returns:
+      [E] bool, True where the answer lies within the kept passage tokens.
+    """
+    if not getattr(tokenizer, "is_fast", False):
+        raise ValueError(
+            f"the answer check needs a tokenizer with character offsets (a fast one); "
+            f"{type(tokenizer).__name__} has none"
+        )
+    if not examples:
+        return np.zeros(0, bool)
+    row = _passage_rows(store, examples)
+    rows = np.array([[row[e.gold_ids[0]]] for e in examples])  # -> [E, 1]
+    questions = store.tokenize_questions(tokenizer, [e.question for e in examples])
+    kept = store.kept_passage_tokens(rows, questions, context_length, keep_question=keep_question)
+    needed = sorted(set(rows[:, 0].tolist()))
+    pieces = {i: store.passage_piece(i) for i in needed}
+    encoded = tokenizer(
+        [pieces[i] for i in needed],
+        add_special_tokens=False,
+        return_offsets_mapping=True,
+        return_attention_mask=False,
+        return_token_type_ids=False,
+        verbose=False,
+    )
+    # The character where each passage's k-th token ends, k = 1..L (index 0: no token kept).
+    ends = {
+        i: np.concatenate([[0], np.asarray(offsets, np.int64).reshape(-1, 2)[:, 1]])
+        for i, offsets in zip(needed, encoded["offset_mapping"], strict=True)
+    }
+    shown = np.zeros(len(examples), bool)
+    for n, (e, passage, k) in enumerate(zip(examples, rows[:, 0], kept, strict=True)):
+        answer = e.answers[0].replace("  ", " ")  # the piece's double spaces are rewritten
+        at = pieces[passage].find(answer) if answer else -1
+        shown[n] = at >= 0 and at + len(answer) <= ends[passage][k]
+    return shown
 
 
 def reader_warm_start(
@@ -42,6 +126,7 @@ def reader_warm_start(
     freeze: str = "",
     pad_multiple: int = 0,
     keep_question: bool = False,
+    deterministic: bool = True,
 ) -> tuple[dict, list[dict]]:
     """Trains the generator to read: each question with the one passage that answers it.
 
@@ -74,6 +159,10 @@ def reader_warm_start(
       pad_multiple: contexts are cut to their longest, rounded up to this (one compiled step
         per width, `inputs.context_width`); 0 = always `context_length` wide.
       keep_question: a long passage loses its end, not the question (`context_tokens`).
+      deterministic: no dropout (`config.model.deterministic`); when False and the generator has
+        a dropout rate above 0 (`uses_dropout`), dropout at its rates, step `s` drawing with
+        `fold_in(fold_in(PRNGKey(seed), 3), s)`, so a resumed warm start draws what an
+        uninterrupted one does.
 
     Returns:
       (generator parameters, log every tenth of the steps: {"step", "loss" (the mean since the
@@ -86,15 +175,7 @@ def reader_warm_start(
             f"reader warm start needs steps >= 1 and 1 <= batch_size <= examples; got {steps}, "
             f"{batch_size} and {smallest} examples"
         )
-    row = {pid: i for i, pid in enumerate(store.ids)}
-    for pool in pools:
-        missing = [e for e in pool if not e.gold_ids or e.gold_ids[0] not in row]
-        if missing:
-            first = missing[0]
-            raise ValueError(
-                f"{len(missing)} examples name no passage of the store, e.g. {first.id} (gold "
-                f"passage {first.gold_ids[0] if first.gold_ids else None!r})"
-            )
+    row = _passage_rows(store, *pools)
     one_doc = rag_cfg.replace(
         n_docs=1, max_combined_length=context_length or rag_cfg.max_combined_length
     )
@@ -102,8 +183,11 @@ def reader_warm_start(
         warm_start_settings(float(learning_rate), steps, freeze=freeze and f"^({freeze})")
     )
 
-    def loss_fn(generator, batch, rng):
-        del rng  # no dropout
+    dropout_rng = None
+    if not deterministic and uses_dropout(rag_cfg.generator):
+        dropout_rng = jax.random.fold_in(jax.random.PRNGKey(seed), _DROPOUT)
+
+    def loss_fn(generator, batch, rng):  # rng: this step's dropout key, or None
         doc_scores = jnp.zeros((batch["labels"].shape[0], 1), jnp.float32)  # p(z|x) = 1
         per_example = rag.nll(
             one_doc,
@@ -114,10 +198,11 @@ def reader_warm_start(
             batch["labels"],
             "sequence",
             reduce=False,
+            dropout_rng=rng,
         )
         return jnp.mean(per_example), None
 
-    step_fn = make_step(loss_fn, tx)
+    step_fn = make_step(loss_fn, tx, dropout_rng=dropout_rng)
     state = init_state(jax.tree.map(jnp.array, generator_params), tx)
     if progress is not None:  # a warm start stopped midway goes on from where it stopped
         state = progress.load(state) or state

@@ -154,6 +154,7 @@ def generator(config, rag_cfg, params, tokenizer, workdir, own_world) -> dict:
         "rag": [rag_cfg.max_combined_length, rag_cfg.label_smoothing, rag_cfg.exclude_bos_score],
         "tokenizer": tokenizer_fingerprint(tokenizer),
         "generator": encode.encoder_fingerprint(rag_cfg.generator, params["generator"]),
+        **_dropout_key(config, rag_cfg),
     }
 
     def compute(progress):
@@ -171,6 +172,7 @@ def generator(config, rag_cfg, params, tokenizer, workdir, own_world) -> dict:
             learning_rate=config.train.learning_rate,
             seed=settings.init_seed(config),
             answer_length=d.answer_length,
+            deterministic=config.model.deterministic,
             progress=progress,
         )
         print(
@@ -183,6 +185,14 @@ def generator(config, rag_cfg, params, tokenizer, workdir, own_world) -> dict:
     template = {"generator": params["generator"]}
     warm = cached("reader warm start", key, template, compute, cache_dir(config, workdir))
     return dict(params, **warm)
+
+
+def _dropout_key(config, rag_cfg) -> dict:
+    """The reader's dropout, for its cache key: nothing when it trains without (so the keys of
+    runs without dropout are those from before dropout could be asked for)."""
+    if config.model.deterministic or not reader.uses_dropout(rag_cfg.generator):
+        return {}
+    return {"dropout": True}
 
 
 def _frozen_generator_paths(freeze: str, generator_params) -> str:
@@ -204,7 +214,9 @@ def _generator_on_files(config, rag_cfg, params, tokenizer, workdir) -> dict:
     `reader_corpus_path` (task "qa"), on salient spans masked in those passages ("ssm",
     `training.salient`), or both on alternate steps ("qa+ssm"). Nothing of the run's evaluation
     data is read; only the generator trains, and what `config.train.freeze` freezes of it in
-    training (the frozen layers of a `frozen_encoder_layers` generator) stays fixed here too."""
+    training (the frozen layers of a `frozen_encoder_layers` generator) stays fixed here too.
+    Examples whose answer the reader's context cuts off (`reader.answers_in_context`) are left
+    out; the log beside the cache counts them per task (`answer_cut`)."""
     d, w = config.data, config.warm_start
     corpus = corpus_files(w.reader_corpus_path)
     passages = list(read_corpus(corpus))
@@ -243,9 +255,14 @@ def _generator_on_files(config, rag_cfg, params, tokenizer, workdir) -> dict:
         "keep_question": config.rag.keep_question,
         "frozen": frozen,
         "rag": [rag_cfg.label_smoothing, rag_cfg.exclude_bos_score, rag_cfg.prefix],
-        "layout": [rag_cfg.title_sep, rag_cfg.doc_sep],
+        # A causal generator's answer cue is part of its prompt (empty for BART: old keys hold).
+        "layout": [rag_cfg.title_sep, rag_cfg.doc_sep]
+        + ([rag_cfg.suffix] if rag_cfg.suffix else []),
         "tokenizer": tokenizer_fingerprint(tokenizer),
         "generator": encode.encoder_fingerprint(rag_cfg.generator, params["generator"]),
+        # Examples whose answer the context cuts off are left out (`reader.answers_in_context`).
+        "answers": "within the kept context",
+        **_dropout_key(config, rag_cfg),
     }
 
     def compute(progress):
@@ -253,13 +270,20 @@ def _generator_on_files(config, rag_cfg, params, tokenizer, workdir) -> dict:
         store = workdir_store(
             passages, tokenizer, pathlib.Path(workdir) / "reader_passages", layout
         )
+        kept, cut = [], {}
+        for task, pool in zip(tasks, pools):
+            shown = reader.answers_in_context(
+                store, tokenizer, pool, context_length, config.rag.keep_question
+            )
+            kept.append([e for e, ok in zip(pool, shown) if ok])
+            cut[task] = int(len(pool) - shown.sum())
         weights, log = reader.reader_warm_start(
             rag_cfg,
             params["generator"],
             tokenizer,
             store,
-            pools[0],
-            alternate_with=pools[1] if len(pools) > 1 else None,
+            kept[0],
+            alternate_with=kept[1] if len(kept) > 1 else None,
             steps=w.reader_steps,
             batch_size=batch_size,
             learning_rate=learning_rate,
@@ -269,15 +293,18 @@ def _generator_on_files(config, rag_cfg, params, tokenizer, workdir) -> dict:
             freeze=frozen,
             pad_multiple=config.rag.context_pad_multiple,
             keep_question=config.rag.keep_question,
+            deterministic=config.model.deterministic,
             progress=progress,
         )
-        sizes = " and ".join(f"{len(p)} {t} examples" for t, p in zip(tasks, pools))
+        sizes = " and ".join(f"{len(p)} {t} examples" for t, p in zip(tasks, kept))
+        left_out = ", ".join(f"{cut[t]} {t}" for t in tasks)
         print(
-            f"reader warm start: {w.reader_steps} steps on {sizes}, loss {log[0]['loss']:.3f} -> "
-            f"{log[-1]['loss']:.3f}",
+            f"reader warm start: {w.reader_steps} steps on {sizes} ({left_out} left out: the "
+            f"context cuts their answer off), loss {log[0]['loss']:.3f} -> {log[-1]['loss']:.3f}",
             flush=True,
         )
-        return {"generator": weights}, {"examples": dict(zip(tasks, map(len, pools))), "log": log}
+        examples = dict(zip(tasks, map(len, kept)))
+        return {"generator": weights}, {"examples": examples, "answer_cut": cut, "log": log}
 
     template = {"generator": params["generator"]}
     warm = cached("reader warm start", key, template, compute, cache_dir(config, workdir))

@@ -179,17 +179,21 @@ def test_model_shapes_are_the_built_experiments(tiny):
 
 
 def test_model_shapes_take_the_settings_build_applies_after_loading(tmp_path):
-    """Pooling, normalisation and a frozen generator encoder change no shape but the configs."""
+    """Pooling, normalisation and a frozen generator encoder, applied after loading: the same
+    configs, and the fixed encoder's own embedding (`encoder/embed_tokens`) in the shapes."""
     freeze = r"^(passage_encoder/|generator/final_logits_bias|generator/encoder/)"
     settings = {"warm_start.method": "none", "warm_start.reader_steps": 0, "train.freeze": freeze,
                 "model.pooling": "mean", "model.normalize_embeddings": True,
                 "model.generator_frozen_encoder_layers": -1}  # fmt: skip
     config = tiny_config(**settings)
     exp = experiment.build(config, tmp_path)
-    rag_cfg, passage_cfg, _, _ = experiment.model_shapes(config)
+    rag_cfg, passage_cfg, shapes, _ = experiment.model_shapes(config)
     assert rag_cfg == exp.rag_cfg and passage_cfg == exp.passage_cfg
     assert rag_cfg.question_encoder.pooling == passage_cfg.pooling == "mean"
     assert rag_cfg.generator.frozen_encoder_layers == rag_cfg.generator.encoder_layers
+    built = jax.tree.map(lambda x: (x.shape, np.dtype(x.dtype)), exp.params)
+    assert jax.tree.map(lambda x: (x.shape, np.dtype(x.dtype)), shapes) == built
+    assert "embed_tokens" in shapes["generator"]["encoder"]
 
 
 def test_batch_shapes_are_the_widest_batch_the_batcher_makes(tiny):

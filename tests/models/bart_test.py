@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 import torch
 
@@ -259,8 +260,9 @@ def test_the_lm_head_accumulates_in_float32_under_bfloat16(tiny_bart):
 
 
 def test_frozen_encoder_layers_get_no_gradient_and_compute_the_same(tiny_bart):
-    """`frozen_encoder_layers=k`: the same outputs; no gradient reaches the encoder's first k
-    layers or its embeddings (the decoder's path to the shared embedding still trains it)."""
+    """`frozen_encoder_layers=k`: the same outputs; no gradient reaches the encoder's own
+    embedding or its first k layers, and the paths that get none are `frozen_encoder_paths`
+    (the decoder's path to the shared embedding still trains it)."""
     _, cfg, params = tiny_bart
     ids, mask, dec = _inputs(cfg, seed=6)
 
@@ -268,16 +270,76 @@ def test_frozen_encoder_layers_get_no_gradient_and_compute_the_same(tiny_bart):
         logits, _ = bart.Bart(c).apply({"params": p}, ids, mask, dec)
         return jnp.sum(jax.nn.log_softmax(logits)[..., 3])
 
-    frozen = cfg.replace(frozen_encoder_layers=1)
-    np.testing.assert_array_equal(loss(params, frozen), loss(params, cfg))
-    grads, free = jax.grad(loss)(params, frozen), jax.grad(loss)(params, cfg)
+    frozen, untied = cfg.replace(frozen_encoder_layers=1), bart.untie_encoder_embedding(params)
+    assert "embed_tokens" not in params["encoder"]  # the caller's tree is left alone
+    np.testing.assert_array_equal(loss(untied, frozen), loss(params, cfg))
+    grads, free = jax.grad(loss)(untied, frozen), jax.grad(loss)(params, cfg)
     for name in ("layer_0", "positions", "ln_embedding"):
-        assert not any(np.asarray(g).any() for g in jax.tree.leaves(grads["encoder"][name]))
         assert any(np.asarray(g).any() for g in jax.tree.leaves(free["encoder"][name]))
+    # A key bias never gets a gradient (softmax ignores a shift shared by all keys): left out.
+    zero = sorted(
+        "/".join(str(k.key) for k in path)
+        for path, g in jax.tree_util.tree_flatten_with_path(grads)[0]
+        if not np.asarray(g).any() and not jax.tree_util.keystr(path).endswith("['key']['bias']")
+    )
+    below = [p for p in bart.frozen_encoder_paths(frozen) if not p.endswith("key/bias")]
+    assert zero == below
+    assert "encoder/embed_tokens/embedding" in zero and "encoder/layer_0/mlp/wi/kernel" in zero
     for a, b in zip(
         jax.tree.leaves(grads["encoder"]["layer_1"]), jax.tree.leaves(free["encoder"]["layer_1"])
     ):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)  # above the cut: unchanged
     assert np.asarray(grads["shared"]["embedding"]).any()
-    everything = jax.grad(loss)(params, cfg.replace(frozen_encoder_layers=cfg.encoder_layers))
+    whole = cfg.replace(frozen_encoder_layers=cfg.encoder_layers)
+    everything = jax.grad(loss)(untied, whole)
     assert not any(np.asarray(g).any() for g in jax.tree.leaves(everything["encoder"]))
+    assert len(bart.frozen_encoder_paths(whole)) == len(jax.tree.leaves(params["encoder"])) + 1
+    assert bart.frozen_encoder_paths(cfg) == []
+
+
+def test_a_frozen_encoder_stays_fixed_while_the_shared_embedding_trains(tiny_bart):
+    """Adam on every parameter but the encoder's (as `train.freeze` of generator/encoder/): the
+    decoder and the LM head move the shared table by about the learning rate per step, and the
+    fixed encoder, which reads its own copy, computes bitwise what it did."""
+    _, cfg, params = tiny_bart
+    cfg = cfg.replace(frozen_encoder_layers=cfg.encoder_layers)
+    params = bart.untie_encoder_embedding(params)
+    ids, mask, dec = _inputs(cfg, seed=8)
+    model = bart.Bart(cfg)
+
+    def loss(p):
+        logits, _ = model.apply({"params": p}, ids, mask, dec)
+        return -jnp.mean(jax.nn.log_softmax(logits)[..., 3])
+
+    labels = {k: "frozen" if k in ("encoder", "final_logits_bias") else "train" for k in params}
+    tx = optax.multi_transform({"train": optax.adam(1e-2), "frozen": optax.set_to_zero()}, labels)
+    state, trained = tx.init(params), params
+    for _ in range(5):
+        updates, state = tx.update(jax.grad(loss)(trained), state, trained)
+        trained = optax.apply_updates(trained, updates)
+    moved = np.abs(np.asarray(trained["shared"]["embedding"] - params["shared"]["embedding"]))
+    assert moved.max() > 1e-2  # the shared table trained
+    encode = lambda p: model.apply({"params": p}, ids, mask, method=bart.Bart.encode)  # noqa: E731
+    np.testing.assert_array_equal(encode(trained), encode(params))
+
+
+def test_untie_encoder_embedding_copies_arrays_and_keeps_planned_shapes(tiny_bart):
+    _, cfg, params = tiny_bart
+    untied = bart.untie_encoder_embedding(params)
+    own, shared = untied["encoder"]["embed_tokens"]["embedding"], untied["shared"]["embedding"]
+    np.testing.assert_array_equal(own, shared)
+    assert isinstance(own, np.ndarray) and not np.shares_memory(own, shared)
+    on_device = bart.untie_encoder_embedding(jax.tree.map(jnp.asarray, params))
+    own, shared = (
+        on_device["encoder"]["embed_tokens"]["embedding"],
+        on_device["shared"]["embedding"],
+    )
+    np.testing.assert_array_equal(own, shared)
+    assert own.unsafe_buffer_pointer() != shared.unsafe_buffer_pointer()
+    frozen = cfg.replace(frozen_encoder_layers=1)
+    planned = bart.untie_encoder_embedding(bart.param_shapes(cfg))
+    assert jax.tree.map(lambda x: x.shape, planned) == jax.tree.map(
+        lambda x: x.shape, bart.param_shapes(frozen)
+    )
+    with pytest.raises(ValueError, match="already has its own embedding"):
+        bart.untie_encoder_embedding(untied)

@@ -64,6 +64,27 @@ def test_mapped_encoder_computes_minilm_hidden_states(minilm, layers):
     assert np.abs(hidden[layers]).max() > 1.0
 
 
+def test_a_fixed_encoder_reads_its_own_copy_of_the_word_embeddings(minilm):
+    """`frozen_encoder_layers`: BERT's word embeddings go to the shared table and to the
+    encoder's own copy (two arrays), the encoder still computes BertModel's hidden states, and
+    the tree is the tied mapping with its embedding untied (`bart.untie_encoder_embedding`)."""
+    bert_cfg, bert_params, batch, hidden = minilm
+    kw = dict(special_ids=IDS, rng=jax.random.PRNGKey(0), encoder_layers=2, decoder_layers=1)
+    cfg, params = bert2bart.bart_from_bert(bert_cfg, bert_params, frozen_encoder_layers=2, **kw)
+    assert cfg.frozen_encoder_layers == 2
+    words = bert_params["word_embeddings"]["embedding"]
+    own, shared = params["encoder"]["embed_tokens"]["embedding"], params["shared"]["embedding"]
+    np.testing.assert_array_equal(own, words)
+    np.testing.assert_array_equal(shared, words)
+    assert own.unsafe_buffer_pointer() != shared.unsafe_buffer_pointer()
+    mask = batch["attention_mask"]
+    got = np.asarray(_encode(cfg, params, batch["input_ids"], mask))
+    real = mask.astype(bool)
+    np.testing.assert_allclose(got[real], hidden[2][real], atol=1e-4, rtol=0)
+    _, tied = bert2bart.bart_from_bert(bert_cfg, bert_params, **kw)
+    jax.tree.map(np.testing.assert_array_equal, params, bart.untie_encoder_embedding(tied))
+
+
 def test_decoder_takes_bert_layers_and_fresh_cross_attention(minilm):
     bert_cfg, bert_params, _, _ = minilm
     kw = dict(special_ids=IDS, encoder_layers=3, decoder_layers=2)

@@ -215,3 +215,115 @@ def test_questions_whose_gold_passage_is_not_in_the_corpus_are_refused(reader_ex
                        r"the corpus \(.*, \d+ passages\), e\.g\. question 'odd' names "
                        r"'no_such_passage'"):  # fmt: skip
         experiment._check_gold_ids(exp.config, exp.train, [*exp.eval, stray], exp.store)
+
+
+# ---------------------------------------------------------------------------------------------
+# Answers the reader's context cuts off, and the reader's dropout
+
+
+def test_an_answer_counts_as_shown_only_within_the_kept_passage_tokens(tmp_path):
+    """`answers_in_context` on MiniLM's WordPiece: an answer shows when its first occurrence in
+    the passage (title or text) ends within the characters of the tokens the context keeps."""
+    import transformers
+
+    import hf_fixtures
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(hf_fixtures.minilm_path()))
+    filler = " ".join(["word"] * 20)
+    records = [
+        ("early", "Paris", f"Levi's Stadium opened in 2014. {filler}"),
+        ("late", "Paris", f"{filler} Levi's Stadium opened in 2014."),
+        ("titled", "Levi's Stadium", f"{filler} It opened in 2014."),
+    ]
+    store = PassageStore.build(records, tokenizer, tmp_path / "store")
+    ask = lambda pid, answer, question="when?": data.Example(question, (answer,), pid, (pid,))  # noqa: E731
+    examples = [
+        ask("early", "Levi's Stadium"),
+        ask("late", "Levi's Stadium"),  # after 20 filler tokens: cut from a 16-token context
+        ask("titled", "Levi's Stadium"),  # in the title
+        ask("early", "2014"),
+        ask("early", "Candlestick Park"),  # in no passage
+        ask("late", "word"),  # its first occurrence is kept
+    ]
+    shown = reader.answers_in_context(store, tokenizer, examples, 16)
+    np.testing.assert_array_equal(shown, [True, False, True, True, False, True])
+    whole = reader.answers_in_context(store, tokenizer, examples, 64)
+    np.testing.assert_array_equal(whole, [True, True, True, True, False, True])
+    # keep_question: the question's 11 tokens leave the passage 7 of 18 ("2014" is its 9th).
+    long = [ask("early", "2014", "in which year did the stadium open to the public?")]
+    assert reader.answers_in_context(store, tokenizer, long, 20).tolist() == [True]
+    assert not reader.answers_in_context(store, tokenizer, long, 20, keep_question=True).any()
+    # The boundary, against the context's own tokens: kept exactly when "2014" is among them.
+    two = tokenizer.convert_tokens_to_ids("2014")
+    for width in range(8, 16):
+        ctx, _ = store.context_tokens([[0]], store.tokenize_questions(tokenizer, ["when?"]), width)
+        kept = reader.answers_in_context(store, tokenizer, [examples[3]], width)[0]
+        assert kept == (two in ctx[0].tolist()), width  # the question has no "2014"
+    with pytest.raises(ValueError, match=r"1 examples name no passage of the store, e.g\. x"):
+        reader.answers_in_context(store, tokenizer, [ask("x", "a")], 16)
+
+
+def test_the_reader_on_files_leaves_out_examples_whose_answer_is_cut(tmp_path, reader_exp, capsys):
+    """Passages whose text starts with 40 filler words show no answer in a 32-token context:
+    their questions are left out, counted in the warm start's log (`answer_cut`)."""
+    from tiny_runs import tiny_config
+
+    questions, passages = _world_files(reader_exp, tmp_path / "files")
+    records = [json.loads(line) for line in passages.read_text().splitlines()]
+    gold = {e.gold_ids[0] for e in reader_exp.train[:6]}
+    for r in records:
+        if r["id"] in gold:
+            r["text"] = "so " * 40 + r["text"]
+    passages.write_text("".join(json.dumps(r) + "\n" for r in records))
+    config = tiny_config(**{
+        "warm_start.reader_data": "files",
+        "warm_start.reader_questions_path": str(questions),
+        "warm_start.reader_corpus_path": str(passages),
+        "warm_start.reader_steps": 2,
+        "warm_start.reader_batch_size": 4,
+        "warm_start.cache_dir": str(tmp_path / "cache"),
+    })  # fmt: skip
+    exp = reader_exp
+    warm_start.generator(config, exp.rag_cfg, exp.params, exp.generator_tokenizer, tmp_path, None)
+    cut = sum(e.gold_ids[0] in gold for e in exp.train)
+    kept = len(exp.train) - cut
+    assert cut >= 6
+    out = capsys.readouterr().out
+    assert f"on {kept} qa examples ({cut} qa left out: the context cuts their answer off)" in out
+    (log,) = (tmp_path / "cache" / "warm_start").glob("*.log.json")
+    record = json.loads(log.read_text())["log"]
+    assert record["examples"] == {"qa": kept} and record["answer_cut"] == {"qa": cut}
+
+
+def test_reader_dropout_is_drawn_from_the_seed_and_step_when_asked_for(reader_exp):
+    """`deterministic=False` with a generator dropout rate: dropout on, the same for the same
+    seed; with no rate above 0 (the default job's generator), bitwise the deterministic run."""
+    exp = reader_exp
+    assert not reader.uses_dropout(exp.rag_cfg.generator)  # the default job: dropout 0.0
+    dropping = exp.rag_cfg.replace(generator=exp.rag_cfg.generator.replace(dropout=0.3))
+    assert reader.uses_dropout(dropping.generator)
+    run = functools.partial(
+        reader.reader_warm_start,
+        generator_params=exp.params["generator"],
+        tokenizer=exp.generator_tokenizer,
+        store=exp.store,
+        examples=exp.train,
+        steps=3,
+        batch_size=8,
+        learning_rate=2e-3,
+        answer_length=exp.config.data.answer_length,
+    )
+    leaves = lambda out: [np.asarray(x) for x in jax.tree.leaves(out[0])]  # noqa: E731
+    plain = leaves(run(exp.rag_cfg, seed=0))
+    for a, b in zip(leaves(run(exp.rag_cfg, seed=0, deterministic=False)), plain, strict=True):
+        np.testing.assert_array_equal(a, b)  # no rate above 0: no dropout, nothing changes
+    kept = leaves(run(dropping, seed=0))  # deterministic: the rates are not applied
+    for a, b in zip(kept, plain, strict=True):
+        np.testing.assert_array_equal(a, b)
+    dropped = leaves(run(dropping, seed=0, deterministic=False))
+    again = leaves(run(dropping, seed=0, deterministic=False))
+    other = leaves(run(dropping, seed=1, deterministic=False))
+    for a, b in zip(dropped, again, strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert any(not np.array_equal(a, b) for a, b in zip(dropped, plain, strict=True))
+    assert any(not np.array_equal(a, b) for a, b in zip(dropped, other, strict=True))
