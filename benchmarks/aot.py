@@ -17,8 +17,10 @@ call (`evaluation.generate_fn`). For each program the report gives, per chip:
 - memory: the arguments (parameters, optimizer state, index shard, batch, the rest), outputs
   that do not reuse a donated buffer, temporaries and code, summing to the total; against the
   HBM the TPU compiler has (probed: it refuses a larger program and names its capacity);
-- FLOPs: XLA's count against the analytic count of `benchmarks.accelerator.train_flops`
-  (rematerialised layers and the in-step search added, loop bodies counted once as XLA does);
+- FLOPs: XLA's count against the analytic count of `benchmarks.accelerator.train_flops`, or of
+  `causal_train_flops` for a causal (Llama) generator (rematerialised layers and the in-step
+  search added, loop bodies counted once as XLA does), and the matmul FLOPs of the compiled
+  program itself with every loop iteration (`benchmarks.hlo`);
 - bytes: XLA's "bytes accessed", the HBM traffic of the compiled program at fusion boundaries
   (`benchmarks.hlo.traffic`) and a lower bound from what must cross HBM once: parameters read
   and written, optimizer state read and written, gradients written and read, the activations the
@@ -51,6 +53,7 @@ import ml_collections
 from benchmarks import hlo
 from benchmarks.accelerator import device_peaks, train_flops
 from rag_jax import evaluation, experiment, settings, sharding
+from rag_jax.models import llama
 from rag_jax.retrieval import index as index_files
 from rag_jax.retrieval.device_index import DeviceIndex
 from rag_jax.training import loop
@@ -70,6 +73,10 @@ GENERATIONS = {
 # Slices that are one VM of 8 chips (v5litepod-8, v6e-8); larger v5e/v6e slices have 4 per host.
 SINGLE_HOST_8 = {"v5e:2x4", "v6e:2x4"}
 EXAMPLES = "v4:2x2x1, v5e:2x4, v5p:2x2x1, v6e:2x4, v5e:4x4, v4:2x2x4"
+
+
+# The parameters the evaluation's generation reads (`evaluation.generate_fn`).
+GENERATION_PARAMS = ("question_encoder", "generator")
 
 
 class PlanError(ValueError):
@@ -257,6 +264,106 @@ def _index_size(config, dim: int) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------
+# Model FLOPs
+
+
+def causal_train_flops(q, g: llama.LlamaConfig, batch: int, *, n_docs: int, question: int,
+                       context: int, target: int, frozen: str = "") -> dict:  # fmt: skip
+    """Matmul FLOPs of one RAG training step whose generator is causal (`rag_jax.causal`), at 2
+    FLOPs per multiply-add, with the keys of `benchmarks.accelerator.train_flops`.
+
+    The question encoder and the doc scores are counted as `train_flops` counts them (backward =
+    2x forward). The generator reads B * N rows of the S prompt tokens followed by the T answer
+    tokens, L = S + T per row, in one causal pass: per layer and token the q and o projections
+    (h heads of width d), k and v (the g key/value heads), SwiGLU's gate, up and down matrices,
+    and attention's scores and mixing over the whole row (full L x L squares, as computed); the
+    LM head (tied or not: the same product) on the T answer positions only. Embedding lookups,
+    norms, rotary tables, softmax and the optimizer are not model FLOPs.
+
+    Backward, as autodiff runs it with the trainer's frozen parameters (`frozen`, the regex of
+    `train.freeze`, entering the loss as constants) and `frozen_layers` (no gradient below the
+    top `generator_trained_layers`): a layer whose parameters train costs 2x its forward (input
+    and weight gradients); a frozen layer the gradient must cross to reach a trainable one below
+    it, its projections once (input gradients) and its attention products twice; a frozen layer
+    with nothing trainable below it, nothing. The head: its weight gradient if its matrix trains
+    (the embedding when tied), its input gradient if anything below it trains. With remat, every
+    layer the backward pass enters runs its forward a second time ("recompute"), all but the down
+    projection (its output only joins the residual stream, which the backward pass never reads).
+
+    Returns:
+      {"question_encoder", "generator", "doc_scores", "train", "recompute"} FLOPs (forward and
+      backward), "forward" (forward only); "generator_forward" and "generator_backward".
+    """
+    rows, length = batch * n_docs, context + target
+    hidden, width = g.hidden_size, g.head_width
+    heads, kv_heads, ffn = g.num_attention_heads, g.num_key_value_heads, g.intermediate_size
+    projections = 2 * hidden * width * (2 * heads + 2 * kv_heads) + 3 * 2 * hidden * ffn
+    projections *= rows * length  # q, o; k, v; gate, up, down: per layer
+    products = rows * 2 * 2 * heads * length * length * width  # scores and mixing, per layer
+    layer_fwd = projections + products
+    # Remat recomputes what the backward pass reads: all but the down projection, whose output
+    # only joins the residual stream (pre-norm layers).
+    layer_recompute = layer_fwd - rows * length * 2 * hidden * ffn
+    head_fwd = 2 * rows * target * hidden * g.vocab_size
+
+    def trains(path: str) -> bool:
+        return not (frozen and re.search(frozen, f"generator/{path}"))
+
+    paths = ["/".join(k.key for k in path) for path, _ in
+             jax.tree_util.tree_leaves_with_path(llama.param_shapes(g))]  # fmt: skip
+    bottom = g.frozen_layers  # stop_gradient above layer bottom - 1: nothing below gets one
+    layer_trains = [
+        i >= bottom and any(trains(p) for p in paths if p.startswith(f"layers_{i}/"))
+        for i in range(g.num_hidden_layers)
+    ]
+    embedding = trains("embed_tokens/embedding")
+    below = bottom == 0 and embedding  # a gradient is needed below the current layer
+    backward, recompute = 0, 0
+    for i in range(g.num_hidden_layers):
+        if layer_trains[i]:
+            backward += 2 * layer_fwd
+        elif below:
+            backward += projections + 2 * products
+        if layer_trains[i] or below:
+            recompute += layer_recompute * g.remat
+        below = below or layer_trains[i]
+    head_weight = embedding if g.tie_word_embeddings else trains("lm_head/kernel")
+    head_input = below or trains("norm/scale")
+    backward += head_fwd * (head_weight + head_input)
+    generator_fwd = g.num_hidden_layers * layer_fwd + head_fwd
+
+    h, f = q.hidden_size, q.intermediate_size
+    tokens = batch * question
+    per_token = 2 * (4 * h * h + 2 * h * f) + 2 * 2 * question * h
+    question_layers = tokens * q.num_hidden_layers * per_token
+    question_fwd = question_layers
+    if q.projection_dim:
+        question_fwd += 2 * batch * h * q.projection_dim
+    if q.with_pooler:
+        question_fwd += 2 * batch * h * h
+    scores = 2 * rows * q.embedding_dim
+    out = {
+        "question_encoder": 3 * question_fwd,
+        "generator": generator_fwd + backward,
+        "doc_scores": 3 * scores,
+        "forward": question_fwd + generator_fwd + scores,
+        "generator_forward": generator_fwd,
+        "generator_backward": backward,
+        "recompute": question_layers * q.remat + recompute,
+    }
+    out["train"] = out["question_encoder"] + out["generator"] + out["doc_scores"]
+    return out
+
+
+def step_flops(q, g, batch: int, *, frozen: str = "", **shapes) -> dict:
+    """The analytic FLOPs of one training step: `causal_train_flops` for a causal generator,
+    else `benchmarks.accelerator.train_flops` (BART)."""
+    if isinstance(g, llama.LlamaConfig):
+        return causal_train_flops(q, g, batch, frozen=frozen, **shapes)
+    return train_flops(q, g, batch, **shapes)
+
+
+# ---------------------------------------------------------------------------------------------
 # One compile
 
 
@@ -315,10 +422,12 @@ def _roofline(flops: float, hbm_bytes: float, model_flops: float, t: Target) -> 
 
 
 def _residual_bytes(p: Plan, config, per_chip: int) -> float:
-    """Bytes of what the backward pass reads from the forward (the residuals of `jax.vjp` of the
-    step's loss), per chip: the batch-independent part whole, the rest for `per_chip` examples."""
+    """Bytes of the activations the backward pass reads from the forward (the residuals of
+    `jax.vjp` of the step's loss) for `per_chip` examples. The residuals that do not grow with
+    the batch are the parameters and their bfloat16 copies, already counted as parameters read
+    (and, under fsdp, gathered), so they are left out."""
     passage_cfg = p.passage_cfg if config.retrieval.refresh_every else None
-    loss_fn = joint_loss_fn(p.rag_cfg, config.rag.variant, passage_cfg)
+    loss_fn = joint_loss_fn(p.rag_cfg, config.rag.variant, passage_cfg, config.train.freeze)
     rng = None if config.model.deterministic else jax.random.PRNGKey(0)
 
     def residuals(batch: int) -> int:
@@ -328,8 +437,7 @@ def _residual_bytes(p: Plan, config, per_chip: int) -> float:
         saved = jax.eval_shape(vjp, p.params, batch_shapes(config, p.rag_cfg, batch))
         return sharding.tree_bytes(saved)
 
-    one, two = residuals(1), residuals(2)
-    return (2 * one - two) + per_chip * (two - one)
+    return per_chip * (residuals(2) - residuals(1))
 
 
 def train_row(p: Plan, t: Target, batch: int, in_step: bool, *, detail: bool = True,
@@ -362,6 +470,7 @@ def train_row(p: Plan, t: Target, batch: int, in_step: bool, *, detail: bool = T
             "index shard": shard,
             "batch": sharding.per_device_bytes((arrays, retrieval[1] if in_step else None)),
         },
+        "parameters_by_tower": _by_tower(state.params),
     }
     compiled, result = _compile(lambda: step_fn.lower(state, arrays, retrieval))
     row.update(result)
@@ -373,6 +482,18 @@ def train_row(p: Plan, t: Target, batch: int, in_step: bool, *, detail: bool = T
         return row
     row.update(_train_costs(p, t, config, _hlo(compiled, t, row, hlo_dir), row, state, in_step))
     return row
+
+
+def _by_tower(params: dict) -> dict:
+    """{tower: {"count": parameters, "bytes_per_chip": ...}} of a placed parameter tree: the
+    split of the "parameters" argument."""
+    return {
+        k: {
+            "count": sum(math.prod(x.shape) for x in jax.tree.leaves(v)),
+            "bytes_per_chip": sharding.per_device_bytes(v),
+        }
+        for k, v in params.items()
+    }
 
 
 def _hlo(compiled, t: Target, row: dict, hlo_dir) -> tuple:
@@ -398,26 +519,18 @@ def _train_costs(p: Plan, t: Target, config, compiled_text, row, state, in_step)
         context=p.rag_cfg.max_combined_length,
         target=config.data.answer_length,
     )
-    model = train_flops(q, g, b, **shapes)
-    analytic = {
-        "model": model["train"],
-        "recompute": model["recompute"],
-        "search": 0.0,
-        "search_as_counted": 0.0,
-    }
+    model = step_flops(q, g, b, frozen=config.train.freeze, **shapes)
+    analytic = {"model": model["train"], "recompute": model["recompute"], "search": 0.0}
     if in_step:  # the next batch's questions embedded, then scored against this chip's shard
         question_fwd = model["question_encoder"] / 3
         shard_rows = -(-p.index["rows"] // n)
-        block = min(65536, shard_rows)
-        full, rest = divmod(shard_rows, block)
-        counted_rows = block * (1 + (full > 1)) + rest  # XLA counts the loop body once
-        per_row = 2 * row["batch"] * p.index["dim"]
-        analytic.update(
-            search=question_fwd + per_row * shard_rows,
-            search_as_counted=question_fwd + per_row * counted_rows,
-        )
+        analytic["search"] = question_fwd + 2 * row["batch"] * p.index["dim"] * shard_rows
     executed = analytic["model"] + analytic["recompute"] + analytic["search"]
-    as_counted = analytic["model"] + analytic["recompute"] + analytic["search_as_counted"]
+    traffic = hlo.traffic(text)
+    # XLA's cost analysis counts a loop body once: the matmuls of the later iterations (of the
+    # in-step search's blocks, of fsdp's windowed matmuls), read from the HLO, are left out.
+    uncounted = traffic.matmul_flops - traffic.matmul_flops_loops_once
+    as_counted = executed - uncounted
     xla = _costs(compiled)
     ratio = xla["flops"] / as_counted if as_counted else None
     flops = {
@@ -426,6 +539,10 @@ def _train_costs(p: Plan, t: Target, config, compiled_text, row, state, in_step)
         "xla_over_analytic": ratio,
         "executed": executed,
         **analytic,
+        "loop_iterations_xla_leaves_out": uncounted,
+        # An independent check of the analytic count: the compiled program's own matmuls.
+        "hlo_matmuls": traffic.matmul_flops,
+        "hlo_matmuls_over_executed": traffic.matmul_flops / executed if executed else None,
     }
     flops["agree_within_10pct"] = ratio is not None and abs(ratio - 1) <= 0.10
     if not flops["agree_within_10pct"]:
@@ -435,7 +552,6 @@ def _train_costs(p: Plan, t: Target, config, compiled_text, row, state, in_step)
             if ratio > 1
             else "it counts a loop body once, and drops work whose result is unused"
         )
-    traffic = hlo.traffic(text)
     trainable = sum(
         math.prod(x.shape) * 4
         for path, x in jax.tree_util.tree_leaves_with_path(state.params)
@@ -471,6 +587,7 @@ def _train_costs(p: Plan, t: Target, config, compiled_text, row, state, in_step)
     roofline["with_lower_bound_bytes_s"] = _roofline(executed, lower["total"], 0, t)["step_s"]
     roofline["with_xla_bytes_s"] = _roofline(executed, xla["bytes"], 0, t)["step_s"]
     return {
+        "shapes": shapes,  # per row: N docs, Q question, S context, T target tokens
         "flops": flops,
         "bytes": bytes_,
         "roofline": roofline,
@@ -491,8 +608,10 @@ def generate_row(p: Plan, t: Target, batch: int, variant: str, num_beams: int,
         generation=dataclasses.replace(rag_cfg.generation, num_beams=num_beams)
     )
     fn = evaluation.generate_fn(rag_cfg, variant, "thorough")
+    # The towers generation reads (the passage encoder's would be dropped from the program).
+    params = {k: p.params[k] for k in GENERATION_PARAMS}
     params = jax.tree.map(
-        _struct, p.params, sharding.param_sharding(mesh, p.params, config.train.param_sharding)
+        _struct, params, sharding.param_sharding(mesh, params, config.train.param_sharding)
     )
     n, q, s = rag_cfg.n_docs, config.data.question_length, rag_cfg.max_combined_length
     d = rag_cfg.question_encoder.embedding_dim
@@ -517,6 +636,7 @@ def generate_row(p: Plan, t: Target, batch: int, variant: str, num_beams: int,
             "parameters": sharding.per_device_bytes(params),
             "batch": sharding.per_device_bytes(inputs),
         },
+        "parameters_by_tower": _by_tower(params),
     }
     compiled, result = _compile(lambda: fn.lower(params, *inputs))
     row.update(result)

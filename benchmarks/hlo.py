@@ -7,7 +7,10 @@ registers and VMEM), the copies into VMEM (memory space 1), and re-reads. What d
 what a top-level instruction (a fusion, a copy, a collective, a custom call) reads from and
 writes to memory space 0, since XLA materialises every value that passes from one fusion to the
 next. `traffic` adds those up, with the bodies of while loops counted as often as they run (XLA's
-cost analysis counts a loop body once, whatever its trip count).
+cost analysis counts a loop body once, whatever its trip count). A loop without XLA's
+`known_trip_count` (the windowed matmuls that overlap fsdp's collectives with compute, say) runs
+as often as its counter says: `i < limit`, from a constant start, by a constant step. The same
+walk counts the matmuls' FLOPs (`dot` and `convolution`) with every loop iteration.
 
 It is an estimate, not a measurement: a fusion that tiles a large operand may read it more than
 once (more traffic), an in-place update writes only its slice (less), and small arrays are
@@ -16,7 +19,10 @@ counted without their padding to the (8, 128) tiles.
 
 import dataclasses
 import json
+import math
 import re
+
+import numpy as np
 
 _DTYPE_BYTES = {
     "pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
@@ -49,6 +55,8 @@ class Instruction:
     opcode: str
     operands: list[str]
     attrs: str
+    literal: str = ""  # a constant's value, e.g. "4"
+    root: bool = False
 
 
 def _split_shape(text: str) -> tuple[str, str]:
@@ -94,11 +102,14 @@ def parse(hlo_text: str) -> tuple[dict[str, list[Instruction]], str]:
             continue
         if current is None or " = " not in line or line.strip() == "}":
             continue
-        lhs, rhs = line.strip().removeprefix("ROOT ").split(" = ", 1)
+        text = line.strip()
+        lhs, rhs = text.removeprefix("ROOT ").split(" = ", 1)
         shape, rest = _split_shape(rhs)
         opcode, _, args = rest.partition("(")
         operands, attrs = _operands("(" + args)
-        current.append(Instruction(lhs.lstrip("%"), shape, opcode, operands, attrs))
+        literal = args.partition(")")[0] if opcode == "constant" else ""
+        root = text.startswith("ROOT ")
+        current.append(Instruction(lhs.lstrip("%"), shape, opcode, operands, attrs, literal, root))
     if entry is None:
         raise ValueError("no ENTRY computation in the HLO text")
     return computations, entry
@@ -130,6 +141,8 @@ class Traffic:
     collective_dtypes: dict = dataclasses.field(default_factory=dict)  # "kind dtype" -> bytes
     host_transfers: list = dataclasses.field(default_factory=list)  # "opcode name" lines
     loops: list = dataclasses.field(default_factory=list)  # (while name, trip count or None)
+    matmul_flops: float = 0.0  # dot and convolution FLOPs, loop bodies as often as they run
+    matmul_flops_loops_once: float = 0.0  # the same with every loop body once, as XLA counts
 
     def as_dict(self) -> dict:
         return json.loads(json.dumps(dataclasses.asdict(self)))
@@ -145,20 +158,154 @@ def _scope(name: str) -> str:
     return "other"
 
 
+_LLAMA_NORMS = re.compile(r"/(input_layernorm|post_attention_layernorm|norm)/")
+
+
 def _part(name: str) -> str:
     """Which piece of the model an instruction works for, from the Flax module path in its op
-    name; "optimizer and the rest" outside the differentiated function."""
+    name; "optimizer and the rest" outside the differentiated function. BERT and BART name
+    submodules (`self_attn/`, `mlp/`, `*_ln/`), Llama its projections (`self_attn_q_proj/`,
+    `mlp_gate_proj/`), norms and scopes (`models.llama`); "layers, other" is the rest of a
+    layer (Llama's rotary embedding, the residual adds)."""
     if _scope(name) == "other":
         return "optimizer and the rest"
     if "/self_attn/" in name or "/cross_attn/" in name:
         return "attention"
     if "/mlp/" in name:
         return "feed-forward"
-    if "_ln/" in name or "ln_embedding/" in name:
+    if "_ln/" in name or "ln_embedding/" in name or _LLAMA_NORMS.search(name):
         return "layer norms"
-    if "layer_" in name:
+    if "/self_attn_" in name:
+        return "attention"
+    if "/mlp_" in name:
+        return "feed-forward"
+    if "layer_" in name or re.search(r"/layers_\d+/", name):
         return "layers, other"
     return "embeddings, vocabulary logits and the loss"
+
+
+_INDEX = re.compile(r"\bindex=(\d+)")
+_DIRECTION = re.compile(r"direction=(\w+)")
+_WINDOW = re.compile(r"window=\{([^}]*)\}")
+_DIM_LABELS = re.compile(r"dim_labels=(\w+)_(\w+)->(\w+)")
+_FEATURE_GROUPS = re.compile(r"feature_group_count=(\d+)")
+_BATCH_GROUPS = re.compile(r"batch_group_count=(\d+)")
+_LHS_CONTRACTING = re.compile(r"lhs_contracting_dims=\{([0-9,]*)\}")
+_PASS_THROUGH = ("copy", "bitcast", "convert", "copy-done")
+
+
+def _dims(shape: str) -> list[int]:
+    found = _ARRAY.search(shape)
+    return [int(d) for d in found.group(2).split(",") if d] if found else []
+
+
+def _window_pairs(out: int, size: int, window: int, stride: int, pad_lo: int,
+                  lhs_dilate: int, rhs_dilate: int) -> int:  # fmt: skip
+    """(output position, window tap) pairs of one spatial dimension that read a real input
+    element, not padding nor a hole of the input's dilation."""
+    taps = np.arange(out)[:, None] * stride + np.arange(window)[None, :] * rhs_dilate - pad_lo
+    real = (taps >= 0) & (taps <= (size - 1) * lhs_dilate) & (taps % lhs_dilate == 0)
+    return int(real.sum())
+
+
+def matmul_flops(inst: Instruction, shapes: dict) -> float:
+    """FLOPs of a `dot` or `convolution` (2 per multiply-add of real elements: a convolution's
+    taps on padding or on the holes of a dilated input, the way XLA writes a batched matmul,
+    are not counted); 0 for any other instruction, or a convolution whose layout it cannot
+    read (batch groups, unlabelled dimensions)."""
+    out = _dims(inst.shape)
+    lhs = _dims(shapes.get(inst.operands[0], "")) if inst.operands else []
+    if inst.opcode == "dot":
+        found = _LHS_CONTRACTING.search(inst.attrs)
+        dims = [int(d) for d in found.group(1).split(",") if d] if found else []
+        return 2.0 * math.prod(out) * math.prod(lhs[d] for d in dims if d < len(lhs))
+    labels = _DIM_LABELS.search(inst.attrs)
+    if inst.opcode != "convolution" or not labels or _BATCH_GROUPS.search(inst.attrs):
+        return 0.0
+    lhs_labels, _, out_labels = labels.groups()
+    if len(lhs) != len(lhs_labels) or len(out) != len(out_labels) or "f" not in lhs_labels:
+        return 0.0
+    window = dict(
+        item.split("=", 1) for item in (_WINDOW.search(inst.attrs) or ["", ""])[1].split() if item
+    )
+    spatial = [c for c in out_labels if c.isdigit()]
+    fields = {}
+    for key in ("size", "stride", "pad", "lhs_dilate", "rhs_dilate"):
+        values = window.get(key, "").split("x") if key in window else []
+        fields[key] = values if len(values) == len(spatial) else None
+    pairs = 1
+    for i, d in enumerate(sorted(spatial)):
+        size, window_size = lhs[lhs_labels.index(d)], int((fields["size"] or ["1"] * 9)[i])
+        pad_lo = int((fields["pad"] or ["0_0"] * 9)[i].split("_")[0])
+        pairs *= _window_pairs(out[out_labels.index(d)], size, window_size,
+                               int((fields["stride"] or ["1"] * 9)[i]), pad_lo,
+                               int((fields["lhs_dilate"] or ["1"] * 9)[i]),
+                               int((fields["rhs_dilate"] or ["1"] * 9)[i]))  # fmt: skip
+    groups = _FEATURE_GROUPS.search(inst.attrs)
+    features = lhs[lhs_labels.index("f")] // (int(groups.group(1)) if groups else 1)
+    rest = math.prod(n for n, c in zip(out, out_labels, strict=True) if not c.isdigit())
+    return 2.0 * rest * features * pairs
+
+
+def trip_count(inst: Instruction, computations: dict, caller: str) -> int | None:
+    """How often a `while` runs: XLA's `known_trip_count`, else from its counter (the condition
+    `counter < limit` or `limit > counter` against a constant, the counter's initial value a
+    constant and the body adding a positive constant to it); None when neither is found."""
+    known = _TRIP.search(inst.attrs)
+    if known:
+        return int(known.group(1))
+    called = dict(_CALLED.findall(inst.attrs))
+    cond, body = computations.get(called.get("condition")), computations.get(called.get("body"))
+    if not cond or not body or len(inst.operands) != 1:
+        return None
+    cond_table = {i.name: i for i in cond}
+    body_table = {i.name: i for i in body}
+    caller_table = {i.name: i for i in computations[caller]}
+
+    def constant(name, table):  # the integer a value is, through copies and converts
+        seen = table.get(name)
+        while seen is not None and seen.opcode in _PASS_THROUGH and seen.operands:
+            seen = table.get(seen.operands[0])
+        if seen is None or seen.opcode != "constant":
+            return None
+        try:
+            return int(seen.literal)
+        except ValueError:
+            return None
+
+    def element(name, table):  # k when `name` is element k of the loop's state
+        seen = table.get(name)
+        found = _INDEX.search(seen.attrs) if seen and seen.opcode == "get-tuple-element" else None
+        return int(found.group(1)) if found else None
+
+    compare = next((i for i in cond if i.root and i.opcode == "compare"), None)
+    if compare is None or len(compare.operands) != 2:
+        return None
+    direction = _DIRECTION.search(compare.attrs)
+    direction = direction.group(1) if direction else None
+    a, b = compare.operands if direction == "LT" else reversed(compare.operands)
+    k, limit = element(a, cond_table), constant(b, cond_table)
+    init = caller_table.get(inst.operands[0])
+    out = next((i for i in body if i.root and i.opcode == "tuple"), None)
+    if direction not in ("LT", "GT") or None in (k, limit, init, out) or init.opcode != "tuple":
+        return None
+    if k >= len(init.operands) or k >= len(out.operands):
+        return None
+    start = constant(init.operands[k], caller_table)
+    step = body_table.get(out.operands[k])
+    if start is None or step is None or step.opcode != "add" or len(step.operands) != 2:
+        return None
+    x, y = step.operands
+    increment = (
+        constant(y, body_table)
+        if element(x, body_table) == k
+        else constant(x, body_table)
+        if element(y, body_table) == k
+        else None
+    )
+    if not increment or increment < 0:
+        return None
+    return max(0, -(-(limit - start) // increment))
 
 
 def traffic(hlo_text: str) -> Traffic:
@@ -193,38 +340,47 @@ def traffic(hlo_text: str) -> Traffic:
             key = f"{kind} {dtype}"
             out.collective_dtypes[key] = out.collective_dtypes.get(key, 0.0) + size
 
-    def fused(name: str, times: float, seen: tuple) -> None:
-        """Collectives inside a fusion (XLA fuses some into their consumers on TPU)."""
+    def matmuls(inst: Instruction, shapes: dict, times: float, once: float) -> None:
+        flops = matmul_flops(inst, shapes)
+        out.matmul_flops += flops * times
+        out.matmul_flops_loops_once += flops * once
+
+    def fused(name: str, times: float, seen: tuple, once: float = 1.0) -> None:
+        """Collectives and matmuls inside a fusion (XLA fuses some collectives into their
+        consumers on TPU)."""
         shapes = {i.name: i.shape for i in computations[name]}
         for inst in computations[name]:
             collective(inst, shapes, times)
+            matmuls(inst, shapes, times, once)
             callee = dict(_CALLED.findall(inst.attrs)).get("calls")
             if callee in computations and callee not in seen:
-                fused(callee, times, (*seen, callee))
+                fused(callee, times, (*seen, callee), once)
 
-    def visit(name: str, times: float, seen: tuple) -> None:
+    def visit(name: str, times: float, seen: tuple, once: float = 1.0) -> None:
+        """`times`: how often `name` runs; `once`: how often XLA's cost analysis counts it."""
         shapes = {i.name: i.shape for i in computations[name]}
         for inst in computations[name]:
             if host_transfer(inst):
                 out.host_transfers.append(f"{inst.opcode} {inst.name} (in {name})")
             called = dict(_CALLED.findall(inst.attrs))
+            matmuls(inst, shapes, times, once)
             if inst.opcode == "while":
-                trip = _TRIP.search(inst.attrs)
-                out.loops.append((inst.name, int(trip.group(1)) if trip else None))
-                n = int(trip.group(1)) if trip else 1
+                trip = trip_count(inst, computations, name)
+                out.loops.append((inst.name, trip))
+                n = 1 if trip is None else trip
                 for key in ("body", "condition"):
                     if key in called and called[key] not in seen:
-                        visit(called[key], times * n, (*seen, called[key]))
+                        visit(called[key], times * n, (*seen, called[key]), once)
             elif inst.opcode == "conditional":
                 branches = _BRANCHES.search(inst.attrs)
                 for branch in branches.group(1).split(",") if branches else []:
                     branch = branch.strip().lstrip("%")
                     if branch in computations and branch not in seen:
-                        visit(branch, times, (*seen, branch))  # an upper bound: every branch
+                        visit(branch, times, (*seen, branch), once)  # an upper bound: all
             elif inst.opcode == "call" and called.get("to_apply") not in (None, *seen):
-                visit(called["to_apply"], times, (*seen, called["to_apply"]))
+                visit(called["to_apply"], times, (*seen, called["to_apply"]), once)
             elif inst.opcode == "fusion" and called.get("calls") in computations:
-                fused(called["calls"], times, (*seen, called["calls"]))
+                fused(called["calls"], times, (*seen, called["calls"]), once)
             if inst.opcode in _FREE or inst.opcode.endswith("-done"):
                 continue
             read = sum(shape_bytes(shapes.get(o, "")) for o in inst.operands)

@@ -18,7 +18,7 @@ import os
 
 from rag_jax import host
 
-SUITES = ("models", "index", "encode", "train_step", "generate", "e2e")
+SUITES = ("models", "index", "encode", "train_step", "generate", "e2e", "causal")
 
 
 def main(argv=None):

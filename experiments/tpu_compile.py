@@ -3,8 +3,12 @@ r"""Compiles a config's train step and generation for a Cloud TPU topology, on t
     python experiments/tpu_compile.py --config experiments/configs/nq.py --topology v5e:2x4
     python experiments/tpu_compile.py --config experiments/configs/nq.py --topology v4:2x2x1 \
         --layouts replicated,fsdp --remat both --paths host,in_step --largest --generate
+    python experiments/tpu_compile.py --config experiments/configs/llama_tpu.py \
+        --topology v5e:2x4 --paths host --largest --largest_tries 1
 
-Needs `libtpu` (`pip install 'rag_jax[tpu]'`); no TPU, checkpoint, index or data. Topologies:
+The generator may be BART or a causal LM (a Llama folder whose config.json alone is enough to
+plan: `llama_tpu.py`). Needs `libtpu` (`pip install 'rag_jax[tpu]'`); no TPU, checkpoint, index
+or data. Topologies:
 v4:2x2x1 (v4-8), v5e:2x4 (v5litepod-8), v5p:2x2x1 (v5p-8), v6e:2x4 (v6e-8), and slices of several
 hosts such as v5e:4x4 or v4:2x2x4. Prints one line per compile and writes the report (per-chip
 memory by part against HBM, XLA's FLOPs and bytes against the analytic count, roofline step time,

@@ -297,13 +297,17 @@ class DecoderLayer(nn.Module):
             start = (zero, zero, past_index, zero)
             key = jax.lax.dynamic_update_slice(past[0], key.astype(past[0].dtype), start)
             value = jax.lax.dynamic_update_slice(past[1], value.astype(past[1].dtype), start)
-        out = _attend(query, (key, value, own_mask), prefix).astype(dtype)
+        # Named scopes put the attention core and the gating in op names ("self_attn", "mlp"), as
+        # the projections are (profiles; benchmarks/hlo.py attributes HBM traffic by them).
+        with jax.named_scope(attn):
+            out = _attend(query, (key, value, own_mask), prefix).astype(dtype)
         x = x + _dense(cfg.hidden_size, cfg.attention_bias, cfg, f"{attn}_o_proj")(out)
 
         y = norm(name="post_attention_layernorm")(x)
         gate = _dense(cfg.intermediate_size, cfg.mlp_bias, cfg, "mlp_gate_proj")(y)
         up = _dense(cfg.intermediate_size, cfg.mlp_bias, cfg, "mlp_up_proj")(y)
-        y = layers.activation(cfg.hidden_act)(gate) * up
+        with jax.named_scope("mlp"):
+            y = layers.activation(cfg.hidden_act)(gate) * up
         x = x + _dense(cfg.hidden_size, cfg.mlp_bias, cfg, "mlp_down_proj")(y)
         return x, (key, value)
 

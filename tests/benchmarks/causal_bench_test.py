@@ -1,4 +1,4 @@
-"""benchmarks/causal.py: the quick suite on a tiny random Llama and BERT, and its FLOP count.
+"""benchmarks/causal.py: the quick suite (a tiny random Llama and BERT), and its FLOP count.
 
 Timings are not checked (they depend on the machine); what is: every part returns its row with
 the suite's columns, both sides compute the same thing (logits, loss, gradient norm), every
@@ -17,17 +17,8 @@ from rag_jax import hf_llama
 
 
 @pytest.fixture(scope="module")
-def folders(tmp_path_factory):
-    root = tmp_path_factory.mktemp("causal_bench")
-    hf_fixtures.save_llama(root / "llama", pad_token_id=2)
-    hf_fixtures.save_bert(root / "bert")
-    return root / "llama", root / "bert"
-
-
-@pytest.fixture(scope="module")
-def result(folders):
-    llama_path, bert_path = folders
-    return causal.run(quick=True, llama_path=llama_path, bert_path=bert_path)
+def result():
+    return causal.run(quick=True)
 
 
 def test_quick_suite_returns_one_row_per_part_with_its_columns(result):
@@ -41,7 +32,9 @@ def test_quick_suite_returns_one_row_per_part_with_its_columns(result):
         assert len(row["ours_runs_s"]) == len(row["ref_runs_s"]) >= 1
     prefill, decode, joint = result["rows"]
     assert prefill["ours_gflop_s"] > 0 and prefill["ref_gflop_s"] > 0
-    for key in ("ours_tok_s", "ref_tok_s", "ours_step_tok_s", "ref_step_tok_s"):
+    assert prefill["floor_gflop"] == pytest.approx(prefill["model_gflop"])
+    assert 0 < prefill["floor_ms"] <= prefill["xla_floor_ms"]
+    for key in ("ours_tok_s", "ref_tok_s", "ours_step_tok_s", "ref_step_tok_s", "step_speedup"):
         assert key in decode
     sizes = result["sizes"]["decode"]
     assert decode["decoder_rows"] == sizes["batch"] * sizes["n_docs"] * sizes["beams"]
@@ -57,15 +50,36 @@ def test_both_sides_compute_the_same_thing(result):
     assert joint["grad_norm_ref"] > 0
 
 
-def test_matmul_params_are_the_reference_models_linear_weights(folders):
+@pytest.mark.parametrize("tied", [True, False])
+def test_matmul_params_are_the_reference_models_linear_weights(tmp_path, tied):
     import transformers
 
-    llama_path, _ = folders
+    if tied:
+        llama_path, _ = causal.save_tiny(tmp_path)
+    else:
+        llama_path = tmp_path / "untied"
+        hf_fixtures.save_llama(llama_path)
     cfg, _ = hf_llama.load_llama(llama_path)
     model = transformers.LlamaForCausalLM.from_pretrained(llama_path)
+    assert model.config.tie_word_embeddings == tied
     linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
     assert causal.matmul_params(cfg) == linear
     rows, length = 3, 5
     attention = 4 * length**2 * cfg.num_attention_heads * cfg.head_width
     want = 2 * linear * rows * length + attention * cfg.num_hidden_layers * rows
     assert causal.prefill_flops(cfg, rows, length) == want
+
+
+def test_prefill_flops_equal_the_products_of_llama_logits(tmp_path):
+    import jax
+    import jax.numpy as jnp
+
+    from benchmarks import floor
+    from rag_jax.models import llama
+
+    llama_path, _ = causal.save_tiny(tmp_path)
+    cfg, params = hf_llama.load_llama(llama_path)
+    ids = jnp.ones((3, 7), jnp.int32)
+    jaxpr = jax.make_jaxpr(lambda p, i: llama.logits(cfg, p, i, jnp.ones_like(i)))(params, ids)
+    products = floor.dot_generals(jaxpr.jaxpr)
+    assert sum(n * floor.flops(p) for p, n in products.items()) == causal.prefill_flops(cfg, 3, 7)

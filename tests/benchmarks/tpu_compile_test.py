@@ -1,12 +1,14 @@
 """The trainer's programs compiled by the TPU compiler for a 2x2 v5e topology, on this CPU host:
 the report's invariants on a tiny config (memory parts add up and match the arguments, XLA's
 FLOPs agree with the analytic count, the in-step search moves nothing to the host, fsdp splits
-the state), what an unfittable config reports, and the command line's one-line errors.
+the state), the same for a tiny causal (Llama) generator planned from a config.json alone, what
+an unfittable config reports, and the command line's one-line errors.
 
 Needs `libtpu` (`pip install 'rag_jax[tpu]'`); CI installs it and sets RAG_JAX_REQUIRE_LIBTPU=1
 so that these tests cannot silently skip there.
 """
 
+import json
 import math
 import os
 import pathlib
@@ -73,6 +75,8 @@ def test_memory_parts_add_up_and_match_the_arguments(rows, name):
         assert memory["other arguments"] <= named
     p = rows["plan"]
     whole = sharding.tree_bytes(p.params)
+    if name == "generate":  # generation reads the question tower and the generator only
+        whole = sum(sharding.tree_bytes(p.params[k]) for k in aot.GENERATION_PARAMS)
     if name == "fsdp":  # every array with a dimension 4 divides is split four ways
         assert row["arguments"]["parameters"] < 0.3 * whole
     else:
@@ -156,3 +160,69 @@ def test_the_state_compiled_for_is_the_trainers(rows):
     mesh = sharding.data_mesh(jax.devices()[:1])
     state = loop.abstract_state(p.config, p.params, p.tx, mesh, in_step=False)
     assert sharding.per_device_bytes(state.params) == rows["replicated"]["arguments"]["parameters"]
+
+
+# A tiny Llama architecture (grouped key/value heads, tied head): planning reads config.json only.
+TINY_LLAMA = {
+    "model_type": "llama",
+    "vocab_size": 512,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "max_position_embeddings": 256,
+    "rope_theta": 500000.0,
+    "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                     "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+    "tie_word_embeddings": True,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def causal(target, tmp_path_factory):
+    """A causal generator's train step (fsdp, remat) and RAG-Sequence generation (the prompts'
+    prefix cache shared by the beams, each beam's past, thorough rescoring)."""
+    folder = tmp_path_factory.mktemp("tiny_llama")
+    (folder / "config.json").write_text(json.dumps(TINY_LLAMA))
+    settings = {"model.generator_path": str(folder), "rag.keep_question": True,
+                "train.freeze": r"^passage_encoder/", "model.remat": True,
+                "train.param_sharding": "fsdp"}  # fmt: skip
+    p = aot.plan(_config(**settings))
+    train = aot.train_row(p, target, 8, in_step=False)
+    generate = aot.generate_row(p, target, 8, "sequence", num_beams=2)
+    return p, train, generate
+
+
+def test_a_causal_generator_compiles_and_its_report_adds_up(causal):
+    p, train, generate = causal
+    assert p.rag_cfg.causal and p.rag_cfg.generator.num_key_value_heads == 2
+    assert "tiny_llama" in p.sources["generator"]  # its config.json, no weights
+    for row in (train, generate):
+        memory = row["memory"]
+        assert row["fits"] and memory["total"] == sum(v for k, v in memory.items() if k != "total")
+        assert all(v >= 0 for v in memory.values()), memory
+        assert row["host_transfers"] == []
+    whole = sharding.tree_bytes(p.params)
+    assert train["arguments"]["parameters"] < 0.3 * whole  # fsdp: split four ways
+    collectives = train["collectives"]
+    assert collectives["all-gather"] > 0 and collectives["gradient_sync_bytes"] > 0
+    assert generate["loops"]  # the decoding loop
+
+
+def test_a_causal_generators_flops_are_the_llama_count(causal):
+    p, train, _ = causal
+    config, b = p.config, train["per_chip_batch"]
+    shapes = dict(
+        n_docs=p.rag_cfg.n_docs,
+        question=config.data.question_length,
+        context=p.rag_cfg.max_combined_length,
+        target=config.data.answer_length,
+    )
+    count = aot.causal_train_flops(p.rag_cfg.question_encoder, p.rag_cfg.generator, b, **shapes)
+    flops = train["flops"]
+    assert flops["model"] == count["train"] and flops["recompute"] == count["recompute"] > 0
+    assert flops["agree_within_10pct"], flops
