@@ -365,9 +365,10 @@ def _models(config, q_tok, g_tok, rng):
 
 def _model_settings(config, cfg: rag.RagConfig, p_cfg: bert.BertConfig, params: dict):
     """(cfg, p_cfg, params) with the settings applied after loading: a causal generator's
-    trained layers, both towers' pooling, and the generator's frozen encoder layers, whose
-    encoder then reads its own copy of the token embedding (`bart.untie_encoder_embedding`;
-    `params` may be arrays or `jax.ShapeDtypeStruct`s)."""
+    trained layers, both towers' pooling, every tower's attention implementation, and the
+    generator's frozen encoder layers, whose encoder then reads its own copy of the token
+    embedding (`bart.untie_encoder_embedding`; `params` may be arrays or
+    `jax.ShapeDtypeStruct`s)."""
     m = config.model
     if m.generator_trained_layers:
         trained = m.generator_trained_layers
@@ -394,8 +395,12 @@ def _model_settings(config, cfg: rag.RagConfig, p_cfg: bert.BertConfig, params: 
         params = dict(params, generator=generator)
     # Both towers' vector: [CLS] (DPR) or the mean over tokens, normalised or not.
     pooling = dict(pooling=m.pooling, normalize=m.normalize_embeddings)
-    cfg = cfg.replace(question_encoder=cfg.question_encoder.replace(**pooling))
-    return cfg, p_cfg.replace(**pooling), params
+    impl = dict(attention_impl=m.attention_impl)  # one attention for every tower
+    cfg = cfg.replace(
+        question_encoder=cfg.question_encoder.replace(**pooling, **impl),
+        generator=cfg.generator.replace(**impl),
+    )
+    return cfg, p_cfg.replace(**pooling, **impl), params
 
 
 def _bert_generator(m, tokenizer, rng, dtype):

@@ -80,6 +80,11 @@ SCHEMA: dict[str, dict[str, tuple]] = {
         ),
         "dtype": ("float32", "compute dtype: float32 | bfloat16 (parameters stay float32)"),
         "remat": (False, "rematerialise layers in the backward pass"),
+        "attention_impl": (
+            "xla",
+            "every tower's attention: xla (exact against HF) | flash (the Pallas TPU kernel, "
+            "rag_jax.models.flash; refuses attention dropout in training)",
+        ),
         "deterministic": (
             True,
             "no dropout in training, the joint steps' and the reader warm start's (the tiny "
@@ -563,6 +568,7 @@ def _check_choices(config: ml_collections.ConfigDict) -> None:
         ("retrieval.index", config.retrieval.index, ("exact", "scann", "device")),
         ("retrieval.passage_format", config.retrieval.passage_format, ("pair", "single")),
         ("train.optimizer", config.train.optimizer, ("adamw", "sgd")),
+        ("model.attention_impl", config.model.attention_impl, ("xla", "flash")),
         ("train.decay", config.train.decay, ("linear", "polynomial", "constant")),
         ("eval.sequence_decoding", config.eval.sequence_decoding, ("thorough", "fast")),
         ("train.param_sharding", config.train.param_sharding, ("replicated", "fsdp")),

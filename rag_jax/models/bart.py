@@ -72,6 +72,9 @@ class BartConfig:
     param_dtype: str = "float32"
     # Recompute each layer's activations in the backward pass instead of storing them.
     remat: bool = False
+    # Attention: "xla" (exact against HF) | "flash" (the Pallas TPU kernel, `models.flash`; no
+    # attention-probability dropout in training; decoding with the cache stays on XLA).
+    attention_impl: str = "xla"
 
     def replace(self, **changes) -> "BartConfig":
         return dataclasses.replace(self, **changes)
@@ -152,6 +155,7 @@ class _Stack(nn.Module):
                 activation_dropout=cfg.activation_dropout,
                 cross=self.cross,
                 decode=decode,
+                attention_impl=cfg.attention_impl,
                 dtype=dtype,
                 param_dtype=param_dtype,
                 name=f"layer_{i}",

@@ -53,6 +53,9 @@ class BertConfig:
     param_dtype: str = "float32"
     # Recompute each layer's activations in the backward pass instead of storing them.
     remat: bool = False
+    # Attention: "xla" (exact against HF) | "flash" (the Pallas TPU kernel, `models.flash`; no
+    # attention-probability dropout in training).
+    attention_impl: str = "xla"
 
     @property
     def embedding_dim(self) -> int:
@@ -134,6 +137,7 @@ class BertEncoder(nn.Module):
                 layer_norm_eps=cfg.layer_norm_eps,
                 dropout=cfg.hidden_dropout_prob,
                 attention_dropout=cfg.attention_probs_dropout_prob,
+                attention_impl=cfg.attention_impl,
                 dtype=dtype,
                 param_dtype=param_dtype,
                 name=f"layer_{i}",

@@ -9,11 +9,14 @@ d head width (H = h * d), F feed-forward width.
 """
 
 import functools
+import math
 from collections.abc import Callable
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+
+from rag_jax.models import flash
 
 # Large negative logit for masked attention positions; finite so that a fully masked row gives a
 # uniform (not NaN) distribution, as in the PyTorch reference.
@@ -117,6 +120,13 @@ class Attention(nn.Module):
       change, so a beam search can keep them out of the state it reorders.
     Create the cache by calling the model once with `decode=True` and `mutable=["cache"]` on an
     input of the full decode length; that first call does not write to it.
+
+    With `impl="flash"` the softmax and both matmuls run in the Pallas kernel (`models.flash`),
+    forward and backward, except in decode mode (a cached query or a few reading the cache,
+    where the scores are [.., h, 1, L] and the XLA path stays). The kernel reads `mask` as what
+    the models build: a key-padding mask [.., 1, 1, S] (`padding_mask`), or, with `causal`,
+    `causal_mask` and-ed with a key-padding mask ([1 or B, 1, T, T], whose last row is then the
+    key padding). It cannot apply attention-probability dropout, which it refuses in training.
     """
 
     num_heads: int
@@ -125,6 +135,10 @@ class Attention(nn.Module):
     dropout_rate: float = 0.0
     cross: bool = False
     decode: bool = False
+    # "xla" (the default, exact against HF) | "flash" (the Pallas TPU kernel, see above).
+    impl: str = "xla"
+    # The mask is causal (decoder self-attention); only the flash path reads this.
+    causal: bool = False
     dtype: jnp.dtype = jnp.float32
     param_dtype: jnp.dtype = jnp.float32
 
@@ -165,6 +179,10 @@ class Attention(nn.Module):
             key, value = self._head_major(proj, source)  # -> [..., h, d, S], [..., h, S, d]
             if self.decode:
                 key, value, mask = self._self_cache(key, value, length)
+        flash.check_impl(self.impl)
+        if self.impl == "flash" and not self.decode:
+            out = self._flash(query, key, value, mask, deterministic)  # -> [B, T, h, d]
+            return proj("out")(out.reshape(batch, length, self.hidden))
 
         # Head-major batched matmuls: on CPU this layout runs about twice as fast as the
         # equivalent einsum over [B, T, h, d] (measured at B=32, S=256 in the encode benchmark).
@@ -210,6 +228,48 @@ class Attention(nn.Module):
             out = out.reshape(outer, inner, self.num_heads, -1, length, out.shape[-1])
             out = out.transpose(0, 3, 1, 4, 2, 5)  # -> [G, k, m, T, h, d]
         return proj("out")(out.reshape(batch, length, self.hidden))  # -> [B, T, H]
+
+    def _flash(self, query, key, value, mask, deterministic) -> jax.Array:
+        """The kernel's attention of `query` [B, T, h, d] (scaled) over `key` [..., h, d, S] and
+        `value` [..., h, S, d] (leading dims [B], [B / k] or [G, m]); returns [B, T, h, d]."""
+        flash.check_no_dropout(
+            self.dropout_rate,
+            deterministic,
+            "the attention dropout (attention_probs_dropout_prob, attention_dropout)",
+        )
+        batch, length = query.shape[:2]
+        lead, source = key.shape[:-3], key.shape[-1]
+        rows = math.prod(lead)
+        group = batch // rows
+        if group * rows != batch:
+            raise ValueError(
+                f"query rows {query.shape} are not a multiple of the key/value rows {lead}"
+            )
+        if mask is None:
+            key_mask = jnp.ones(lead + (source,), bool)
+        elif self.causal:
+            key_mask = mask[..., 0, -1, :]  # the last query row of a causal mask: key padding
+        elif mask.shape[-2] == 1 and mask.shape[-3] == 1:
+            key_mask = mask[..., 0, 0, :]
+        else:
+            raise ValueError(
+                f"attention_impl='flash' reads a key-padding mask [.., 1, 1, S] (or, causal, "
+                f"causal_mask and-ed with one); got a mask of shape {mask.shape}"
+            )
+        key_mask = jnp.broadcast_to(key_mask, lead + (source,)).reshape(rows, source)
+        # The k query rows of a group become extra query positions of their key/value row.
+        inner = lead[1] if len(lead) == 2 else 1
+        q = query.reshape(rows // inner, group, inner, length, self.num_heads, -1)
+        q = q.transpose(0, 2, 4, 1, 3, 5)  # -> [G, m, h, k, T, d]
+        q = q.reshape(rows, self.num_heads, group * length, -1)  # -> [G * m, h, k * T, d]
+        k = jnp.swapaxes(key, -1, -2).reshape(rows, self.num_heads, source, -1)  # [G*m, h, S, d]
+        v = value.reshape(rows, self.num_heads, source, -1)
+        if self.causal and group != 1:
+            raise ValueError("causal attention reads its own keys: no key/value sharing")
+        out = flash.attention(q, k, v, key_mask, self.causal)  # -> [G * m, h, k * T, d]
+        out = out.reshape(rows // inner, inner, self.num_heads, group, length, -1)
+        out = out.transpose(0, 3, 1, 4, 2, 5)  # -> [G, k, m, T, h, d]
+        return out.reshape(batch, length, self.num_heads, -1)
 
     def _split(self, y: jax.Array) -> jax.Array:
         """[..., S, H] -> [..., S, h, d]."""
@@ -314,6 +374,8 @@ class TransformerLayer(nn.Module):
     activation_dropout: float = 0.0
     cross: bool = False
     decode: bool = False
+    # Attention.impl of every attention of the layer ("xla" | "flash").
+    attention_impl: str = "xla"
     dtype: jnp.dtype = jnp.float32
     param_dtype: jnp.dtype = jnp.float32
 
@@ -346,6 +408,7 @@ class TransformerLayer(nn.Module):
             init_std=self.init_std,
             dropout_rate=self.attention_dropout,
             decode=self.decode,
+            impl=self.attention_impl,
             dtype=self.dtype,
             param_dtype=self.param_dtype,
         )
@@ -361,9 +424,9 @@ class TransformerLayer(nn.Module):
             else nn.Dropout(self.dropout)(y, deterministic=False)
         )
 
-        x = norm(name="self_attn_ln")(
-            x + drop(attn(name="self_attn")(x, None, self_mask, deterministic))
-        )
+        # A decoder layer's (cross=True) self-attention is causal.
+        self_attn = attn(causal=self.cross, name="self_attn")
+        x = norm(name="self_attn_ln")(x + drop(self_attn(x, None, self_mask, deterministic)))
         if self.cross:
             y = attn(cross=True, name="cross_attn")(x, encoded, cross_mask, deterministic)
             x = norm(name="cross_attn_ln")(x + drop(y))

@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rag_jax.models import layers
+from rag_jax.models import flash, layers
 
 # rope_scaling kinds computed here; any other is refused by name.
 ROPE_TYPES = ("default", "linear", "llama3")
@@ -70,6 +70,9 @@ class LlamaConfig:
     param_dtype: str = "float32"
     # Recompute each layer's activations in the backward pass instead of storing them.
     remat: bool = False
+    # Attention: "xla" | "flash" (the Pallas TPU kernel, `models.flash`, for rows attending to
+    # themselves alone: teacher forcing and prompts; with a prefix or a past it stays on XLA).
+    attention_impl: str = "xla"
 
     def __post_init__(self):
         if self.num_attention_heads % self.num_key_value_heads:
@@ -77,6 +80,7 @@ class LlamaConfig:
                 f"num_attention_heads {self.num_attention_heads} is not a multiple of "
                 f"num_key_value_heads {self.num_key_value_heads}"
             )
+        flash.check_impl(self.attention_impl)
         if not 0 <= self.frozen_layers <= self.num_hidden_layers:
             raise ValueError(
                 f"frozen_layers {self.frozen_layers} must lie in [0, num_hidden_layers = "
@@ -226,6 +230,25 @@ def _attend(query, own, prefix):
     return out.transpose(0, 3, 1, 2, 4).reshape(rows, length, heads * width)
 
 
+def _fused(query, key, value, key_mask):
+    """Causal grouped-query attention of rows over their own keys in the kernel (`models.flash`).
+
+    Args:
+      query: [R, T, h, d], scaled and rotated.
+      key, value: [R, g, T, d]; each key/value head is read by its r = h / g query heads.
+      key_mask: [R, T] bool, True = a real token.
+
+    Returns:
+      [R, T, h * d]. A real token's output is the XLA path's; a padding token's is not (the
+      kernel lets it read the real keys before it, the XLA path only itself), and is ignored.
+    """
+    rows, length, heads, width = query.shape
+    repeat = heads // key.shape[1]
+    key, value = jnp.repeat(key, repeat, axis=1), jnp.repeat(value, repeat, axis=1)  # [R, h, T, d]
+    out = flash.attention(query.transpose(0, 2, 1, 3), key, value, key_mask, causal=True)
+    return out.transpose(0, 2, 1, 3).reshape(rows, length, heads * width)
+
+
 class RMSNorm(nn.Module):
     """HF's `LlamaRMSNorm`: normalised in float32, cast back, then scaled."""
 
@@ -265,7 +288,8 @@ class DecoderLayer(nn.Module):
           x: [R, T, H].
           cos, sin: [R, T, 1, d] rotary tables of the T tokens' positions.
           own_mask: bool broadcastable to [R, 1, 1, T, S]: which of the row's own keys each
-            token sees (S = T without a past, L with one).
+            token sees (S = T without a past, L with one); with `attention_impl="flash"`, no
+            prefix and no past, the key padding [R, T] (the kernel applies causality).
           prefix: None or this layer's (keys, values, mask) of the shared prefix.
           past: None or this layer's (keys [R, g, L, d], values); the T new keys and values are
             written at `past_index` before attending.
@@ -300,7 +324,10 @@ class DecoderLayer(nn.Module):
         # Named scopes put the attention core and the gating in op names ("self_attn", "mlp"), as
         # the projections are (profiles; benchmarks/hlo.py attributes HBM traffic by them).
         with jax.named_scope(attn):
-            out = _attend(query, (key, value, own_mask), prefix).astype(dtype)
+            if cfg.attention_impl == "flash" and prefix is None and past is None:
+                out = _fused(query, key, value, own_mask).astype(dtype)
+            else:
+                out = _attend(query, (key, value, own_mask), prefix).astype(dtype)
         x = x + _dense(cfg.hidden_size, cfg.attention_bias, cfg, f"{attn}_o_proj")(out)
 
         y = norm(name="post_attention_layernorm")(x)
@@ -369,6 +396,9 @@ class Llama(nn.Module):
         Without a past, each token sees the row's earlier real tokens (causal and key padding,
         plus itself, so a padding row is never fully masked) and the prefix. With a past, the T
         tokens are written at `past_index` and see the past slots before them and themselves.
+        With `attention_impl="flash"`, no prefix and no past, the kernel computes it (a padding
+        token then reads the real tokens before it instead of itself: its output differs, and is
+        ignored).
 
         Args:
           input_ids: [R, T] int.
@@ -395,7 +425,9 @@ class Llama(nn.Module):
         dtype = jnp.dtype(cfg.dtype)
         cos, sin = jnp.cos(angles).astype(dtype), jnp.sin(angles).astype(dtype)
         query_pos = jnp.arange(length)
-        if past is None:
+        if cfg.attention_impl == "flash" and prefix is None and past is None:
+            own_mask = attention_mask.astype(bool)  # key padding; causality is the kernel's
+        elif past is None:
             keys = attention_mask.astype(bool)[:, None, None, None, :]  # [R, 1, 1, 1, T]
             causal = query_pos[None, :] <= query_pos[:, None]  # [T, T]
             own_mask = (keys & causal) | jnp.eye(length, dtype=bool)
