@@ -260,6 +260,11 @@ SCHEMA: dict[str, dict[str, tuple]] = {
         "batch_size": (16, "global batch; must divide by the device count"),
         "num_devices": (0, "data-parallel devices; 0 = all"),
         "optimizer": ("adamw", "adamw | sgd (momentum adam_b1)"),
+        "optimizer_impl": (
+            "optax",
+            "adamw as optax's chain | fused: one elementwise update per parameter "
+            "(training.optim.fused_adamw; its own optimizer state)",
+        ),
         "learning_rate": (2e-3, "peak learning rate (the generator's)"),
         "warmup_steps": (30, "linear warmup from 0"),
         "decay": ("linear", "after warmup: linear | polynomial | constant"),
@@ -568,6 +573,7 @@ def _check_choices(config: ml_collections.ConfigDict) -> None:
         ("retrieval.index", config.retrieval.index, ("exact", "scann", "device")),
         ("retrieval.passage_format", config.retrieval.passage_format, ("pair", "single")),
         ("train.optimizer", config.train.optimizer, ("adamw", "sgd")),
+        ("train.optimizer_impl", config.train.optimizer_impl, ("optax", "fused")),
         ("model.attention_impl", config.model.attention_impl, ("xla", "flash")),
         ("train.decay", config.train.decay, ("linear", "polynomial", "constant")),
         ("eval.sequence_decoding", config.eval.sequence_decoding, ("thorough", "fast")),
