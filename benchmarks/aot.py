@@ -36,6 +36,7 @@ Legend: B global batch, b per chip, N docs, S context length, T target length, Q
 length, C index rows, D vector width, n chips, P parameters.
 """
 
+import contextlib
 import dataclasses
 import functools
 import gzip
@@ -384,6 +385,15 @@ def check_batch(batch: int, t: Target, what: str) -> None:
         )
 
 
+def _kernel_mesh(config, mesh):
+    """The mesh as the tracing context when the program holds Pallas kernels
+    (`model.attention_impl="flash"`): they run in `jax.shard_map` over it (`models.flash`), as
+    XLA does not partition them; the XLA programs are compiled as they always were."""
+    if config.model.attention_impl == "flash":
+        return jax.set_mesh(mesh)
+    return contextlib.nullcontext()
+
+
 def _compile(lowered_fn) -> tuple[object | None, dict]:
     """(compiled or None, {compile_s, and the needed/available bytes when it does not fit})."""
     t0 = time.perf_counter()
@@ -472,7 +482,8 @@ def train_row(p: Plan, t: Target, batch: int, in_step: bool, *, detail: bool = T
         },
         "parameters_by_tower": _by_tower(state.params),
     }
-    compiled, result = _compile(lambda: step_fn.lower(state, arrays, retrieval))
+    with _kernel_mesh(config, mesh):
+        compiled, result = _compile(lambda: step_fn.lower(state, arrays, retrieval))
     row.update(result)
     if compiled is None:
         return row
@@ -638,7 +649,8 @@ def generate_row(p: Plan, t: Target, batch: int, variant: str, num_beams: int,
         },
         "parameters_by_tower": _by_tower(params),
     }
-    compiled, result = _compile(lambda: fn.lower(params, *inputs))
+    with _kernel_mesh(config, mesh):
+        compiled, result = _compile(lambda: fn.lower(params, *inputs))
     row.update(result)
     if compiled is None:
         return row

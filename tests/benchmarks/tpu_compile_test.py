@@ -8,10 +8,12 @@ Needs `libtpu` (`pip install 'rag_jax[tpu]'`); CI installs it and sets RAG_JAX_R
 so that these tests cannot silently skip there.
 """
 
+import gzip
 import json
 import math
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -226,3 +228,32 @@ def test_a_causal_generators_flops_are_the_llama_count(causal):
     flops = train["flops"]
     assert flops["model"] == count["train"] and flops["recompute"] == count["recompute"] > 0
     assert flops["agree_within_10pct"], flops
+
+
+def _score_arrays(text: str, heads: int, lengths: set[int]) -> list[str]:
+    """Arrays [.., h, X, Y] with X and Y sequence lengths: attention scores, probabilities or
+    masks, anywhere in the compiled program (fusion outputs and operands included)."""
+    found = set()
+    for shape in re.findall(r"(?:f32|bf16|pred)\[([\d,]+)\]", text):
+        dims = [int(d) for d in shape.split(",")]
+        if len(dims) >= 4 and dims[-3] == heads and {dims[-2], dims[-1]} <= lengths:
+            found.add(shape)
+    return sorted(found)
+
+
+def test_flash_attention_runs_as_tpu_kernels(target, tmp_path):
+    """model.attention_impl=flash (with the fused optimizer): every attention of the step is the
+    Pallas kernel's three TPU custom calls (forward, dK/dV, dQ) and no [.., h, S, S] (or
+    decoder [.., h, T, T], cross [.., h, T, S]) array is left in the program."""
+    config = _config(**{"model.attention_impl": "flash", "train.optimizer_impl": "fused"})
+    p = aot.plan(config)
+    row = aot.train_row(p, target, 8, in_step=False, hlo_dir=tmp_path)
+    assert row["fits"], row
+    (path,) = tmp_path.glob("*.hlo.txt.gz")
+    text = gzip.open(path, "rt").read()
+    q, g = p.rag_cfg.question_encoder, p.rag_cfg.generator
+    attentions = q.num_hidden_layers + g.encoder_layers + 2 * g.decoder_layers
+    assert text.count('custom_call_target="tpu_custom_call"') == 3 * attentions
+    assert q.num_attention_heads == g.encoder_attention_heads == g.decoder_attention_heads
+    lengths = {p.rag_cfg.max_combined_length, config.data.answer_length}
+    assert _score_arrays(text, q.num_attention_heads, lengths) == []
