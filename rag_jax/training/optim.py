@@ -13,8 +13,10 @@ loop that is not the trainer's (a warm start, a benchmark) from the defaults plu
 clipping, the moments, the bias correction, the weight decay and the learning rates of a
 parameter in one elementwise expression, which reads its gradient, both moments and the weight
 once and writes the moments and the update once (XLA fuses the update into `apply_updates`); the
-global norm reads the gradients once more. It computes optax's operations in optax's order (equal
-on CPU); its state is its own (`FusedAdamWState`), so checkpoints do not cross between the two.
+global norm reads the gradients once more. The TPU compiler already fuses optax's chain the same
+way (one multi-output fusion per parameter, tpu/README.md), so the two compile to the same bytes.
+It computes optax's operations in optax's order (equal on CPU); its state is its own
+(`FusedAdamWState`), so checkpoints do not cross between the two.
 """
 
 import functools
