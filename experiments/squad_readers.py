@@ -31,29 +31,48 @@ from rag_jax import data, evaluation, experiment, host, settings
 from rag_jax.retrieval import files
 from rag_jax.retrieval.corpus import read_passages
 
-_SPEC = importlib.util.spec_from_file_location(
-    "squad_open", pathlib.Path(__file__).resolve().parent / "configs" / "squad_open.py"
-)
-squad_open = importlib.util.module_from_spec(_SPEC)
-_SPEC.loader.exec_module(squad_open)
 
-# name -> overrides of squad_open.py (the default is the config as it is).
+def _load_config(name: str):
+    """experiments/configs/<name>.py, loaded by path (the script works from any directory)."""
+    spec = importlib.util.spec_from_file_location(
+        name, pathlib.Path(__file__).resolve().parent / "configs" / f"{name}.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+squad_open = _load_config("squad_open")
+squad_llama = _load_config("squad_llama")
+
+# config -> variant -> overrides of that config (its "default" is the config as it is).
 VARIANTS = {
-    "default": {},
-    "enc6": {"model.generator_encoder_layers": 6},
-    "enc3_dec1": {"model.generator_encoder_layers": 3, "model.generator_decoder_layers": 1},
-    "fresh_decoder": {"model.generator_decoder_init": "random"},
-    "cross_copy": {"model.generator_decoder_init": "bert_cross"},
-    "lr_1e-3": {"warm_start.reader_learning_rate": 1e-3},
-    "cross_copy_lr_1e-3": {
-        "model.generator_decoder_init": "bert_cross",
-        "warm_start.reader_learning_rate": 1e-3,
+    "squad_open": {
+        "default": {},
+        "enc6": {"model.generator_encoder_layers": 6},
+        "enc3_dec1": {"model.generator_encoder_layers": 3, "model.generator_decoder_layers": 1},
+        "fresh_decoder": {"model.generator_decoder_init": "random"},
+        "cross_copy": {"model.generator_decoder_init": "bert_cross"},
+        "lr_1e-3": {"warm_start.reader_learning_rate": 1e-3},
+        "cross_copy_lr_1e-3": {
+            "model.generator_decoder_init": "bert_cross",
+            "warm_start.reader_learning_rate": 1e-3,
+        },
+        "qa+ssm": {"warm_start.reader_task": "qa+ssm"},
+        "ssm": {"warm_start.reader_task": "ssm"},
+        # The tied embedding / LM head fixed too: no gradient into the 30,522 x 384 table.
+        "frozen_embedding": {"train.freeze": squad_open.FREEZE[:-1] + "|generator/shared/)"},
     },
-    "qa+ssm": {"warm_start.reader_task": "qa+ssm"},
-    "ssm": {"warm_start.reader_task": "ssm"},
-    # The tied embedding / LM head fixed too: no gradient into the 30,522 x 384 table.
-    "frozen_embedding": {"train.freeze": squad_open.FREEZE[:-1] + "|generator/shared/)"},
+    # SmolLM2-135M-Instruct: untrained, or its top k of 30 layers warm-started.
+    "squad_llama": {
+        "default": {},
+        "zero_shot": {"warm_start.reader_steps": 0},
+        "top10": {"warm_start.reader_trained_layers": 10},
+        "top20": {"warm_start.reader_trained_layers": 20},
+        "all": {"warm_start.reader_trained_layers": 30},
+    },
 }
+CONFIGS = {"squad_open": squad_open, "squad_llama": squad_llama}
 
 
 def holdout_split(questions_path, passages_path, articles: int, seed: int, out: pathlib.Path):
@@ -85,9 +104,10 @@ def holdout_split(questions_path, passages_path, articles: int, seed: int, out: 
 
 
 def run_variant(name, overrides, args, out: pathlib.Path) -> dict:
-    config = settings.override(squad_open.get_config(), dict(overrides))
+    config = settings.override(CONFIGS[args.config].get_config(), dict(overrides))
     config.warm_start.cache_dir = str(out / name / "cache")  # one reader per variant
-    config.warm_start.reader_steps = args.steps or config.warm_start.reader_steps
+    if config.warm_start.reader_steps:  # a zero-shot variant stays at 0
+        config.warm_start.reader_steps = args.steps or config.warm_start.reader_steps
     config.seed = args.seed
     if args.select:
         questions, passages, evals = holdout_split(
@@ -107,7 +127,9 @@ def run_variant(name, overrides, args, out: pathlib.Path) -> dict:
     seconds = time.perf_counter() - start
     if not args.select:
         evals = exp.eval
-    evals = evals[: args.max_eval or None]
+    if args.sample and args.sample < len(evals):  # a seeded sample, the same for every variant
+        chosen = np.random.default_rng(args.sample_seed).choice(len(evals), args.sample, False)
+        evals = [evals[i] for i in sorted(chosen)]
     start = time.perf_counter()
     oracle, predictions = evaluation.oracle(exp, exp.params, evals)
     logs = sorted((out / name / "cache" / "warm_start").glob("*.log.json"))
@@ -151,22 +173,25 @@ def table(results: dict) -> str:
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True)
-    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--config", default="squad_open", choices=sorted(CONFIGS))
+    parser.add_argument("--variants", default="", help="comma-separated; empty: all of them")
     parser.add_argument("--select", action="store_true", help="held-out train articles")
     parser.add_argument("--holdout_articles", type=int, default=20)
     parser.add_argument("--steps", type=int, default=0, help="reader steps; 0 = the config's")
-    parser.add_argument("--max_eval", type=int, default=0, help="first N questions; 0 = all")
+    parser.add_argument("--sample", type=int, default=0, help="N evaluation questions; 0 = all")
+    parser.add_argument("--sample_seed", type=int, default=0, help="seed of that sample")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     out = pathlib.Path(args.out).absolute()
     path = out / "readers.json"
     results = json.loads(path.read_text()) if path.is_file() else {}
-    for name in args.variants.split(","):
-        if name not in VARIANTS:
-            parser.error(f"unknown variant {name!r}; choose from {sorted(VARIANTS)}")
+    variants = VARIANTS[args.config]
+    for name in args.variants.split(",") if args.variants else variants:
+        if name not in variants:
+            parser.error(f"unknown {args.config} variant {name!r}; choose from {sorted(variants)}")
         print(f"\n== {name} ==", flush=True)
-        results[name] = run_variant(name, VARIANTS[name], args, out)
+        results[name] = run_variant(name, variants[name], args, out)
         print(json.dumps({name: results[name]["oracle"]}), flush=True)
         files.write_atomic(path, json.dumps(results, indent=1).encode())
     print("\n" + table(results))

@@ -44,6 +44,14 @@ def written_answers(tokenizer, answers):
     return [[next(written) for _ in gold] for gold in answers]
 
 
+def answer_sample(count: int, size: int, seed: int) -> np.ndarray | None:
+    """The sorted indices of `eval.answer_examples` questions among `size` (a seeded draw), or
+    None when all of them are answered."""
+    if not count or count >= size:
+        return None
+    return np.sort(np.random.default_rng(seed).choice(size, count, replace=False))
+
+
 def evaluate(
     exp: experiment.Experiment,
     params,
@@ -53,8 +61,14 @@ def evaluate(
     variant: str,
     ks=(1, 5),
     retriever=None,
+    generate: bool = True,
 ):
     """EM/F1 of generated answers and retrieval recall@k over `examples` (none dropped).
+
+    With `config.eval.answer_examples` = n below the number of examples, the retrieval recalls
+    are over all of them (only the question tower runs) and the answers (EM/F1, predictions)
+    over a fixed seeded sample of n (`eval.answer_seed`); the metrics then say both counts.
+    `generate=False` computes the retrieval recalls only.
 
     On several hosts every process calls this with the same `examples`: each retrieves and feeds
     its block of every batch, the generated tokens and retrieved ids of all blocks are gathered
@@ -70,6 +84,16 @@ def evaluate(
     """
     c = exp.config
     retriever = exp.retriever if retriever is None else retriever
+    sample = answer_sample(c.eval.answer_examples, len(examples), c.eval.answer_seed)
+    if generate and sample is not None and not isinstance(retriever, ClosedBook):
+        common = dict(mesh=mesh, variant=variant, ks=ks, retriever=retriever)
+        recall, _ = evaluate(exp, params, examples, generate=False, **common)
+        answered, predictions = evaluate(exp, params, [examples[i] for i in sample], **common)
+        qa = {k: answered[k] for k in ("exact_match", "f1")}
+        counts = {"retrieval_examples": len(examples), "answer_examples": len(sample)}
+        return dict(recall, **qa, **counts), predictions
+    if generate and sample is not None:  # closed book: nothing to retrieve, answer the sample
+        examples = [examples[i] for i in sample]
     rag_cfg = eval_rag_config(exp.rag_cfg, c)
     if not isinstance(retriever, ClosedBook):
         retriever = retriever.with_n_docs(rag_cfg.n_docs)
@@ -98,30 +122,33 @@ def evaluate(
             ),
         )
         # Every block's answers and retrieved rows, on every process: -> [B, L], [B, N].
-        tokens, doc_ids = sharding.gather_to_host(
-            (gen(params, q_ids, q_mask, vecs, ctx, ctx_mask), doc_ids)
-        )
-        answers = exp.generator_tokenizer.batch_decode(tokens, skip_special_tokens=True)
-        answers = [a.strip() for a in answers]
-        gold_answers = [e.answers for e in batch_examples]
-        written = written_answers(exp.generator_tokenizer, gold_answers)
-        ids = []
-        if isinstance(retriever, ClosedBook):  # nothing retrieved: no recall
-            totals = metrics.merge_metrics(totals, metrics.qa_metrics(answers, written, mask))
+        if generate:
+            tokens, doc_ids = sharding.gather_to_host(
+                (gen(params, q_ids, q_mask, vecs, ctx, ctx_mask), doc_ids)
+            )
         else:
+            doc_ids = sharding.gather_to_host(doc_ids)
+        gold_answers = [e.answers for e in batch_examples]
+        ids = []
+        if generate:
+            answers = exp.generator_tokenizer.batch_decode(tokens, skip_special_tokens=True)
+            answers = [a.strip() for a in answers]
+            written = written_answers(exp.generator_tokenizer, gold_answers)
+            totals = metrics.merge_metrics(totals, metrics.qa_metrics(answers, written, mask))
+        if not isinstance(retriever, ClosedBook):  # nothing retrieved: no recall
             texts = [[retriever.store.text(int(j)) for j in row] for row in doc_ids]
             ids = [[retriever.store.ids[int(j)] for j in row] for row in doc_ids]
             totals = metrics.merge_metrics(
                 totals,
-                metrics.qa_metrics(answers, written, mask),
                 metrics.answer_recall(gold_answers, texts, ks, mask),
                 metrics.gold_recall(ids, [e.gold_ids for e in batch_examples], ks, mask),
             )
-        predictions += [
-            _prediction(e, answers[r], ids[r] if ids else [])
-            for r, e in enumerate(batch_examples)
-            if mask[r]
-        ]
+        if generate:
+            predictions += [
+                _prediction(e, answers[r], ids[r] if ids else [])
+                for r, e in enumerate(batch_examples)
+                if mask[r]
+            ]
     return metrics.reduce_metrics(totals), predictions
 
 

@@ -175,11 +175,19 @@ def _load_data(config):
     else:
         train = data.read_tfds(d.tfds_name, d.train_split, d.tfds_data_dir or None)
         evals = data.read_tfds(d.tfds_name, d.eval_split, d.tfds_data_dir or None)
-    if d.max_train:
-        train = train[: d.max_train]
-    if d.max_eval:
-        evals = evals[: d.max_eval]
+    train, evals = _first_or_sample(train, d.max_train, d), _first_or_sample(evals, d.max_eval, d)
     return train, evals, passages, None
+
+
+def _first_or_sample(examples: list, count: int, d) -> list:
+    """`count` of `examples` (0 = all): the first ones, or a sample drawn with
+    `data.sample_seed` (>= 0), kept in their order."""
+    if not count or count >= len(examples):
+        return examples
+    if d.sample_seed < 0:
+        return examples[:count]
+    chosen = np.random.default_rng(d.sample_seed).choice(len(examples), count, replace=False)
+    return [examples[i] for i in np.sort(chosen)]
 
 
 def _tokenizers(config, world):

@@ -402,6 +402,21 @@ def _answer_mask(cfg: RagConfig, labels: jax.Array) -> jax.Array:
     return causal.label_mask(labels, cfg.generator.eos_token_id, cfg.pad_token_id)
 
 
+def _memo_nll(cfg: RagConfig, answer_logprobs, scores, labels, variant: str) -> jax.Array:
+    """[B] the NLL of a frozen causal generator's answer log-probs [B, N, T] (`training.memo`)
+    under the doc scores, as `_nll` computes it from the logits."""
+    if not cfg.causal or cfg.label_smoothing:
+        raise ValueError(
+            "answer_logprobs (a memoised frozen generator) need a causal generator and "
+            f"label_smoothing=0 (causal: {cfg.causal}, label_smoothing: {cfg.label_smoothing})"
+        )
+    labels = jnp.asarray(labels, jnp.int32)
+    labels = jnp.where(labels == IGNORE_INDEX, cfg.pad_token_id, labels)
+    return rag_math.nll_from_token_logprobs(
+        answer_logprobs, scores, _answer_mask(cfg, labels), variant
+    )
+
+
 def loss_fn(
     cfg: RagConfig,
     params: dict,
@@ -418,7 +433,9 @@ def loss_fn(
       batch: {"question_input_ids": [B, Q], "question_attention_mask": [B, Q],
         "doc_vectors": [B, N, D] stored vectors of the retrieved passages,
         "context_input_ids": [B * N, S], "context_attention_mask": [B * N, S],
-        "labels": [B, T], optional "weights": [B] (0 for padding rows)}. With a trainable
+        "labels": [B, T], optional "weights": [B] (0 for padding rows)}; a frozen causal
+        generator's "answer_logprobs" [B, N, T] (`training.memo`) may replace the contexts:
+        the loss then needs no generator pass. With a trainable
         passage encoder, "passage_input_ids" / "passage_attention_mask" [B * N, P] (its tokens of
         the retrieved passages) replace the stored vectors: the doc vectors are recomputed from
         `params["passage_encoder"]`, so the loss's gradient reaches it too.
@@ -463,19 +480,24 @@ def loss_fn(
             f"{q.shape[0]} questions and N = {cfg.n_docs}"
         )
     scores = rag_math.doc_scores(q, docs, cfg.doc_score_scale)  # -> [B, N]
-    _check_contexts(batch["context_input_ids"], batch["context_attention_mask"], scores, cfg.n_docs)
-    per_example = _nll(
-        cfg,
-        params,
-        batch["context_input_ids"],
-        batch["context_attention_mask"],
-        scores,
-        batch["labels"],
-        g_rng,
-        variant=variant,
-        reduce=False,
-        exclude_bos_score=cfg.exclude_bos_score and variant == "sequence",
-    )
+    if "answer_logprobs" in batch:  # a frozen causal generator's memoised likelihoods
+        per_example = _memo_nll(cfg, batch["answer_logprobs"], scores, batch["labels"], variant)
+    else:
+        _check_contexts(
+            batch["context_input_ids"], batch["context_attention_mask"], scores, cfg.n_docs
+        )
+        per_example = _nll(
+            cfg,
+            params,
+            batch["context_input_ids"],
+            batch["context_attention_mask"],
+            scores,
+            batch["labels"],
+            g_rng,
+            variant=variant,
+            reduce=False,
+            exclude_bos_score=cfg.exclude_bos_score and variant == "sequence",
+        )
     weights = batch.get("weights", jnp.ones_like(per_example))
     total = jnp.sum(per_example * weights)
     # HF's `reduce_loss`: the loss is the batch's sum; otherwise the mean over weighted examples.

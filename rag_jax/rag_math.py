@@ -214,7 +214,7 @@ def _sequence_doc_terms(
     scored = not_pad & ~(skip_first[:, None, None] & (jnp.arange(length) == 0))  # [B, 1, T]
     if not smoothing:
         token_ll, _ = _token_logprobs(seq_logits, target)  # -> [B, N, T]
-        return jnp.where(scored, token_ll + prior, 0.0).sum(axis=2), None
+        return _sequence_ll(token_ll, doc_scores, scored, prior_at), None
     seq_logprobs = jax.nn.log_softmax(seq_logits, axis=-1)  # [B, N, T, V]
     token_ll = jnp.take_along_axis(
         seq_logprobs, jnp.broadcast_to(target[:, None, :, None], (batch, n_docs, length, 1)), -1
@@ -225,6 +225,55 @@ def _sequence_doc_terms(
     token_smooth = seq_logprobs.sum(axis=-1) + vocab * prior  # [B, N, T]
     smooth = jnp.where(not_pad, token_smooth, 0.0).sum(axis=2)
     return ll, smooth
+
+
+def _sequence_ll(token_ll, doc_scores, scored, prior_at: int) -> jax.Array:
+    """[B, N] `log p(z|x) + sum_t log p(y_t|x, z, y_<t)` over the `scored` positions ([B, 1, T]
+    or [B, N, T]) of the targets' log-probs `token_ll` [B, N, T]; the prior enters at position
+    `prior_at` when it is scored."""
+    length = token_ll.shape[-1]
+    doc_logprobs = jax.nn.log_softmax(doc_scores, axis=1)  # [B, N]
+    at_prior = (jnp.arange(length) == prior_at)[None, None, :]  # [1, 1, T]
+    prior = jnp.where(at_prior, doc_logprobs[:, :, None], 0.0)  # -> [B, N, T]
+    return jnp.where(scored, token_ll + prior, 0.0).sum(axis=2)
+
+
+def _token_ll(token_ll, doc_scores, scored) -> jax.Array:
+    """[B] RAG-Token `-sum_t log sum_z p(z|x) p(y_t|x, z, y_<t)` over the `scored` positions
+    ([B, T]) of the targets' log-probs `token_ll` [B, N, T]."""
+    doc_logprobs = jax.nn.log_softmax(doc_scores, axis=1)  # [B, N]
+    mixed = jax.nn.logsumexp(token_ll + doc_logprobs[:, :, None], axis=1)  # -> [B, T]
+    return -jnp.where(scored, mixed, 0.0).sum(axis=1)
+
+
+def nll_from_token_logprobs(
+    token_logprobs: jax.Array, doc_scores: jax.Array, scored: jax.Array, variant: str
+) -> jax.Array:
+    """[B] RAG-Sequence or RAG-Token NLL from the answer tokens' log-probabilities under each
+    doc, without label smoothing: what `rag_sequence_nll` / `rag_token_nll` compute for an
+    aligned (causal) target from its logits, the same arithmetic.
+
+    A frozen generator's log-probabilities of a (question, passage, answer) never change, so
+    they can be computed once (`training.memo`) while the doc scores train.
+
+    Args:
+      token_logprobs: [B, N, T] `log p(y_t|x, z_n, y_<t)` (any value where not scored).
+      doc_scores: [B, N] retrieval scores (unnormalised).
+      scored: [B, T] bool, the answer positions that count (`causal.label_mask`).
+      variant: "sequence" (the prior added once, at position 0) or "token".
+    """
+    if token_logprobs.shape[:2] != doc_scores.shape or token_logprobs.shape[::2] != scored.shape:
+        raise ValueError(
+            f"token_logprobs {tuple(token_logprobs.shape)} must be [B, N, T] for doc_scores "
+            f"{tuple(doc_scores.shape)} [B, N] and scored {tuple(scored.shape)} [B, T]"
+        )
+    scored = scored.astype(bool)
+    if variant == "sequence":
+        ll = _sequence_ll(token_logprobs, doc_scores, scored[:, None, :], prior_at=0)
+        return -jax.nn.logsumexp(ll, axis=1)
+    if variant == "token":
+        return _token_ll(token_logprobs, doc_scores, scored)
+    raise ValueError(f"variant must be 'sequence' or 'token', got {variant!r}")
 
 
 def _combine(
@@ -357,10 +406,7 @@ def rag_token_nll(
         # Only the targets' mixture probabilities are needed: mix the N docs' [B, N, T] target
         # log-probs instead of whole [B, N, T, V] distributions.
         token_lp, _ = _token_logprobs(seq_logits.reshape(batch, n_docs, length, vocab), target)
-        doc_logprobs = jax.nn.log_softmax(doc_scores, axis=1)  # [B, N]
-        token_ll = jax.nn.logsumexp(token_lp + doc_logprobs[:, :, None], axis=1)  # -> [B, T]
-        nll = -jnp.where(not_pad, token_ll, 0.0).sum(axis=1)  # [B]
-        return _combine(nll, None, epsilon, vocab, reduce)
+        return _combine(_token_ll(token_lp, doc_scores, not_pad), None, epsilon, vocab, reduce)
     rag_logprobs = rag_token_marginalize(seq_logits, doc_scores, n_docs)  # [B, T, V]
     token_ll = jnp.take_along_axis(rag_logprobs, target[:, :, None], axis=-1)[..., 0]  # -> [B, T]
     nll = -jnp.where(not_pad, token_ll, 0.0).sum(axis=1)  # [B]

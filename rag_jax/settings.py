@@ -67,6 +67,11 @@ SCHEMA: dict[str, dict[str, tuple]] = {
         "fields": ({}, "the files' key names where they differ from ours, e.g. gold_ids"),
         "max_train": (0, "use the first N training questions; 0 = all"),
         "max_eval": (0, "use the first N held-out questions; 0 = all"),
+        "sample_seed": (
+            -1,
+            "max_train / max_eval take a seeded sample of N (kept in file order) instead of the "
+            "first N; -1 = the first N",
+        ),
         # TFDS.
         "tfds_name": ("", "a TFDS builder (data.source='tfds'), e.g. natural_questions_open"),
         "train_split": ("train", "the TFDS training split"),
@@ -199,6 +204,12 @@ SCHEMA: dict[str, dict[str, tuple]] = {
         "reader_batch_size": (0, "questions per reader step; 0 = train.batch_size"),
         "reader_learning_rate": (0.0, "the reader's peak learning rate; 0 = train.learning_rate"),
         "reader_context_length": (0, "reader contexts' tokens; 0 = rag.max_combined_length"),
+        "reader_trained_layers": (
+            0,
+            "a causal generator: the reader warm start trains only its top k layers and final "
+            "norm (the embedding and the layers below fixed, no gradient into them), whatever "
+            "train.freeze fixes in joint training; 0 = what train.freeze leaves trainable",
+        ),
     },
     "rag": {
         "variant": ("sequence", "sequence (RAG-Sequence) | token (RAG-Token)"),
@@ -289,6 +300,12 @@ SCHEMA: dict[str, dict[str, tuple]] = {
             "over the data axis along its largest divisible dimension (ZeRO-3, as t5x and "
             "MaxText partition), all-gathered where the step uses it",
         ),
+        "answer_memo": (
+            False,
+            "a frozen causal generator: each (passage, question, answer)'s answer log-probs are "
+            "computed once and reused exactly (training.memo, kept in warm_start.cache_dir); "
+            "needs train.freeze to cover generator/, host-side retrieval, label_smoothing 0",
+        ),
         "freeze": (
             r"^(passage_encoder/|generator/final_logits_bias)",
             "frozen parameter paths (regex): the passage encoder (stored vectors stay valid) "
@@ -306,6 +323,7 @@ SCHEMA: dict[str, dict[str, tuple]] = {
     },
     "eval": {
         "enabled": (True, "evaluate held-out questions before and after training"),
+        "before": (True, "the evaluation before training too (eval_before.json)"),
         "every": (0, "also every k steps (eval/* in metrics.jsonl); 0 = before/after only"),
         "every_max_examples": (
             0,
@@ -319,6 +337,12 @@ SCHEMA: dict[str, dict[str, tuple]] = {
             "with more than it trains with)",
         ),
         "max_examples": (0, "the first N held-out questions; 0 = all"),
+        "answer_examples": (
+            0,
+            "answer (EM/F1) only a seeded sample of N of them, the retrieval recalls still over "
+            "all (only the question tower runs); 0 = answer all",
+        ),
+        "answer_seed": (0, "the seed of that sample (the same for every row and seed of a study)"),
         "num_beams": (1, "1 = greedy"),
         "max_length": (8, "generated tokens, decoder start included"),
         "sequence_decoding": ("thorough", "thorough | fast (RAG-Sequence with beams > 1)"),
@@ -530,12 +554,15 @@ def _check_sizes(config: ml_collections.ConfigDict) -> None:
         ("data.max_train", config.data.max_train),
         ("data.max_eval", config.data.max_eval),
         ("eval.max_examples", config.eval.max_examples),
+        ("eval.answer_examples", config.eval.answer_examples),
+        ("eval.answer_seed", config.eval.answer_seed),
         ("eval.every", config.eval.every),
         ("eval.every_max_examples", config.eval.every_max_examples),
         ("model.generator_encoder_layers", config.model.generator_encoder_layers),
         ("model.generator_decoder_layers", config.model.generator_decoder_layers),
         ("warm_start.reader_batch_size", config.warm_start.reader_batch_size),
         ("warm_start.reader_context_length", config.warm_start.reader_context_length),
+        ("warm_start.reader_trained_layers", config.warm_start.reader_trained_layers),
         ("retrieval.refresh_every", config.retrieval.refresh_every),
         ("retrieval.refresh_lag", config.retrieval.refresh_lag),
         ("warm_start.reader_steps", config.warm_start.reader_steps),
@@ -625,6 +652,10 @@ def _check_paths(config: ml_collections.ConfigDict) -> None:
             continue
         if pathlib.Path(path).is_dir():
             continue
+        if key == "generator_path" and path.endswith(".gguf"):  # a causal LM in one file
+            if not pathlib.Path(path).is_file():
+                raise FileNotFoundError(f"config.model.generator_path={path!r}: no such file")
+            continue
         try:
             hf.resolve(path)  # a hub id in the local cache (or reachable hub) is fine
         except Exception as e:
@@ -651,6 +682,9 @@ def validate(config: ml_collections.ConfigDict, num_devices: int, *, paths: bool
             sharding.check_batch_divisible(size, num_devices, what)
         except ValueError as e:
             raise ValueError(f"config.{section}.batch_size: {e}") from None
+    seed = config.data.sample_seed
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < -1:
+        raise ValueError(f"config.data.sample_seed must be -1 (the first N) or >= 0, got {seed!r}")
     seed = config.init_seed
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < -1:
         raise ValueError(f"config.init_seed must be -1 (= seed) or a seed >= 0, got {seed!r}")

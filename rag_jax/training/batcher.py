@@ -11,6 +11,7 @@ Legend: B batch, N docs, S context length, T target length, Q question length, P
 
 import dataclasses
 import functools
+import pathlib
 from typing import Any
 
 import jax
@@ -19,7 +20,9 @@ import numpy as np
 from rag_jax import data, metrics, rag, sharding
 from rag_jax.retrieval import encode
 from rag_jax.retrieval.retriever import ClosedBook, Retrieved
+from rag_jax.training import optim
 from rag_jax.training.inputs import answer_labels, context_width, label_width, question_tokens
+from rag_jax.training.memo import AnswerMemo
 
 
 def batch_shapes(config, rag_cfg: rag.RagConfig, batch_size: int) -> dict:
@@ -42,6 +45,35 @@ def batch_shapes(config, rag_cfg: rag.RagConfig, batch_size: int) -> dict:
             np.int32,
         )
     return {k: jax.ShapeDtypeStruct(shape, dtype) for k, (shape, dtype) in shapes.items()}
+
+
+def answer_memo(exp, mesh) -> AnswerMemo:
+    """The run's `AnswerMemo` (`train.answer_memo`), checked: the whole generator frozen, and
+    the passages found between steps (an in-step search gives the host no prompts to key)."""
+    c = exp.config
+    trained = [
+        path
+        for path, label in jax.tree_util.tree_flatten_with_path(
+            optim.path_labels({"generator": exp.params["generator"]}, c.train.freeze, 0, 1)
+        )[0]
+        if label
+    ]
+    if trained:
+        name = "/".join(str(getattr(k, "key", k)) for k in trained[0][0])
+        raise ValueError(
+            f"config.train.answer_memo needs the whole generator frozen, but "
+            f"config.train.freeze={c.train.freeze!r} leaves {len(trained)} of its parameters "
+            f"trainable, e.g. {name}"
+        )
+    if exp.retriever.searches_in_step(mesh):
+        raise ValueError(
+            "config.train.answer_memo keys the prompts the host assembles; the in-step search "
+            "finds passages inside the step: use config.retrieval.index exact or scann"
+        )
+    directory = pathlib.Path(c.warm_start.cache_dir or exp.workdir) / "answer_memo"
+    memo = AnswerMemo(exp.rag_cfg, exp.params["generator"], exp.generator_tokenizer, directory)
+    print(f"answer memo: {len(memo)} pairs read from {memo.path}", flush=True)
+    return memo
 
 
 @dataclasses.dataclass
@@ -71,6 +103,17 @@ class Batcher:
         self.block, self.blocks = sharding.process_block(mesh)
         self.embed = jax.jit(functools.partial(rag.question_embeddings, exp.rag_cfg))
         self._prepared: dict[int, tuple] = {}  # step -> its parameter-free host work
+        self.memo = answer_memo(exp, mesh) if exp.config.train.answer_memo else None
+
+    def save_memo(self) -> None:
+        """Writes the answer memo's new pairs (`train.answer_memo`; nothing without one)."""
+        if self.memo is not None:
+            self.memo.save()
+            print(
+                f"answer memo: {len(self.memo)} pairs ({self.memo.computed} computed, "
+                f"{self.memo.reused} reused in this process)",
+                flush=True,
+            )
 
     def questions(self, examples):
         c = self.exp.config
@@ -191,13 +234,17 @@ class Batcher:
         self._prepared = {k: v for k, v in self._prepared.items() if k > step}
         shape = hits.doc_ids.shape + (-1,)  # -> [B, N, S]
         context_ids, context_mask = self.contexts(hits)
-        arrays = dict(
-            fields,
-            doc_vectors=hits.doc_vectors,
-            context_input_ids=context_ids.reshape(shape),
-            context_attention_mask=context_mask.reshape(shape),
-            labels=labels,
-        )
+        arrays = dict(fields, doc_vectors=hits.doc_vectors, labels=labels)
+        if self.memo is not None:  # the frozen generator's likelihoods replace its inputs
+            generator = state.params["generator"]
+            arrays["answer_logprobs"] = self.memo.logprobs(
+                generator, context_ids, context_mask, labels
+            )
+        else:
+            arrays.update(
+                context_input_ids=context_ids.reshape(shape),
+                context_attention_mask=context_mask.reshape(shape),
+            )
         if c.retrieval.refresh_every:  # a trainable passage encoder re-encodes them
             ids, mask = self.passage_tokens(hits.doc_ids, retriever.store)
             arrays.update(

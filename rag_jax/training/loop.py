@@ -50,7 +50,7 @@ def _with_width(inputs: tuple, context_width: int, label_width: int) -> tuple:
         shape = x.shape
         if name.startswith("context_"):
             shape = x.shape[:-1] + (context_width,)
-        elif name == "labels":
+        elif name in ("labels", "answer_logprobs"):
             shape = x.shape[:-1] + (label_width,)
         return jax.ShapeDtypeStruct(shape, x.dtype, sharding=x.sharding)
 
@@ -298,7 +298,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir) -> dict:
         return evaluate(exp, params, examples, mesh=mesh, variant=variant, retriever=retriever)
 
     before_path = workdir / "eval_before.json"
-    if not config.eval.enabled:
+    if not (config.eval.enabled and config.eval.before):
         before = {}
     elif sharding.from_process0(before_path.is_file()):  # evaluate on all hosts or on none
         before = json.loads(before_path.read_text()) if before_path.is_file() else {}
@@ -317,12 +317,14 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir) -> dict:
     while step < tc.steps:
         if checkpoints.should_stop(step):
             ckpt.save(step, state, config, force=True)
+            batcher.save_memo()
             print(f"preempted: saved step {step}", flush=True)
             break
         batch = batcher.train_batch(state, step, retrievers.at(step, state.params))
         inputs = (sharding.shard_batch(mesh, batch.arrays), batch.retrieval)
         # training.inputs.context_width and label_width
-        width = (batch.arrays["context_input_ids"].shape[-1], batch.arrays["labels"].shape[-1])
+        contexts = batch.arrays.get("context_input_ids")  # none with an answer memo
+        width = (0 if contexts is None else contexts.shape[-1], batch.arrays["labels"].shape[-1])
         with jax.transfer_guard("disallow"):
             if not compiled:  # ahead of the first call: the widest step's memory is checked
                 widest = (exp.rag_cfg.max_combined_length, config.data.answer_length)
@@ -361,6 +363,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir) -> dict:
             )
             totals, last_log = {}, time.perf_counter()
         ckpt.save(step, state, config, force=step == tc.steps)
+        if (tc.save_every and step % tc.save_every == 0) or step == tc.steps:
+            batcher.save_memo()
         every = config.eval.every
         if config.eval.enabled and every and step % every == 0 and step < tc.steps:
             curve = eval_examples[: config.eval.every_max_examples or None]

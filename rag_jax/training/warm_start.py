@@ -209,6 +209,28 @@ def _frozen_generator_paths(freeze: str, generator_params) -> str:
     return "|".join(f"{re.escape(p)}$" for p in frozen)
 
 
+def _reader_trained_layers(config, rag_cfg, generator_params):
+    """(the reader's RagConfig, a regex over the generator's paths it leaves fixed).
+
+    `warm_start.reader_trained_layers = k` trains a causal generator's top k layers and its
+    final norm: the embedding (the tied head too) and the layers below are fixed and no gradient
+    flows into them (`LlamaConfig.frozen_layers`). 0 leaves fixed what `train.freeze` freezes in
+    joint training."""
+    k = config.warm_start.reader_trained_layers
+    if not k:
+        return rag_cfg, _frozen_generator_paths(config.train.freeze, generator_params)
+    layers = getattr(rag_cfg.generator, "num_hidden_layers", None)
+    if layers is None or not 0 < k <= layers:
+        raise ValueError(
+            f"config.warm_start.reader_trained_layers={k} needs a causal generator with at least "
+            f"that many layers (its generator has {layers or 'none: BART'})"
+        )
+    below = "|".join(str(i) for i in range(layers - k))
+    pattern = "embed_tokens/" + (f"|layers_({below})/" if below else "")
+    reader_cfg = rag_cfg.replace(generator=rag_cfg.generator.replace(frozen_layers=layers - k))
+    return reader_cfg, _frozen_generator_paths(f"^generator/({pattern})", generator_params)
+
+
 def _generator_on_files(config, rag_cfg, params, tokenizer, workdir) -> dict:
     """The reader warm start on `reader_questions_path` with their gold passages from
     `reader_corpus_path` (task "qa"), on salient spans masked in those passages ("ssm",
@@ -242,9 +264,17 @@ def _generator_on_files(config, rag_cfg, params, tokenizer, workdir) -> dict:
             )
     batch_size = w.reader_batch_size or config.train.batch_size
     learning_rate = w.reader_learning_rate or config.train.learning_rate
-    frozen = _frozen_generator_paths(config.train.freeze, params["generator"])
+    reader_cfg, frozen = _reader_trained_layers(config, rag_cfg, params["generator"])
+    reader_settings = {
+        k: v
+        for k, v in w.items()
+        if k.startswith("reader_")
+        and "path" not in k
+        # 0 (what train.freeze leaves) keeps the keys of caches from before the setting
+        and not (k == "reader_trained_layers" and not v)
+    }
     key = {
-        "reader": {k: v for k, v in w.items() if k.startswith("reader_") and "path" not in k},
+        "reader": reader_settings,
         "files": [files.sha256_file(p) for p in [w.reader_questions_path, *corpus]],
         "fields": dict(d.fields or {}),
         "seed": seed,
@@ -278,7 +308,7 @@ def _generator_on_files(config, rag_cfg, params, tokenizer, workdir) -> dict:
             kept.append([e for e, ok in zip(pool, shown) if ok])
             cut[task] = int(len(pool) - shown.sum())
         weights, log = reader.reader_warm_start(
-            rag_cfg,
+            reader_cfg,
             params["generator"],
             tokenizer,
             store,

@@ -11,7 +11,7 @@ import transformers
 from configs_test import load_config
 
 import hf_fixtures
-from rag_jax import bundle, experiment, hf, hf_export, hf_llama, rag
+from rag_jax import bundle, experiment, hf, hf_export, hf_llama, rag, settings
 from rag_jax.training import loop
 from squad_subset import squad_subset
 
@@ -56,10 +56,27 @@ def test_squad_llama_builds_trains_and_answers(shared_data, tmp_path, tiny_reade
     config.eval.batch_size = 4
     config.eval.max_examples = 4
     config.eval.max_length = 4
+    config.eval.answer_examples = 3  # of the 4: the recalls over all 4
     config.retrieval.passage_max_length = 64
+    # The reader warm start on the subset, its top layer of 2 trained.
+    config.warm_start.reader_questions_path = str(questions)
+    config.warm_start.reader_corpus_path = str(passages)
+    config.warm_start.reader_steps = 2
+    config.warm_start.reader_batch_size = 2
+    config.warm_start.reader_trained_layers = 1
+    config.warm_start.cache_dir = str(tmp_path / "cache")
+    settings.validate(config, num_devices=1)
 
     exp = experiment.build(config, tmp_path / "build")
     assert exp.rag_cfg.causal and exp.rag_cfg.bos_token_id is None
+    # The warm start trained the top layer only: the embedding and layer 0 are as loaded.
+    _, loaded = hf.load_llama(str(tiny_reader))
+    warm = exp.params["generator"]
+    for name in ("embed_tokens", "layers_0"):
+        jax.tree.map(np.testing.assert_array_equal, warm[name], loaded[name])
+    assert not np.array_equal(
+        warm["layers_1"]["mlp_up_proj"]["kernel"], loaded["layers_1"]["mlp_up_proj"]["kernel"]
+    )
     tok = exp.generator_tokenizer
     # The prompt: the chat template around context and question, the assistant's turn opened.
     question = exp.eval[0].question
@@ -74,6 +91,12 @@ def test_squad_llama_builds_trains_and_answers(shared_data, tmp_path, tiny_reade
     before = jax.tree.map(np.array, exp.params["generator"])
     summary = loop.train_and_evaluate(config, tmp_path / "work")
     assert summary["steps"] == 2
+    assert summary["eval"]["retrieval_examples"] == 4 and summary["eval"]["answer_examples"] == 3
+    assert not (tmp_path / "work" / "eval_before.json").exists()  # eval.before = False
+    # The frozen generator's likelihoods were memoised: 2 steps x 2 questions x 2 passages.
+    (memo_file,) = (tmp_path / "cache" / "answer_memo").glob("*.npz")
+    with np.load(memo_file) as stored:
+        assert 0 < len(stored["keys"]) <= 8
     logs = [json.loads(line) for line in (tmp_path / "work" / "metrics.jsonl").open()]
     losses = [r["train/loss"] for r in logs if "train/loss" in r]
     assert losses and all(0 < loss < 1e4 for loss in losses)

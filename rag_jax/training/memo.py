@@ -1,0 +1,180 @@
+"""A frozen generator's answer log-likelihoods, computed once per (passage, question, answer).
+
+When joint training keeps the generator frozen (`train.freeze` covers `generator/`), the loss's
+only trainable input is the doc scores: the log-probability of an answer's tokens after one
+prompt (passage, question, answer cue) never changes between steps. `AnswerMemo` computes it the
+first time a prompt and answer meet and reads it back afterwards, exactly: each value is the
+generator's own forward pass of that pair, and the joint step combines the values with the doc
+scores by the same arithmetic as from logits (`rag_math.nll_from_token_logprobs`). Training
+several epochs over a question set then costs one generator pass per distinct pair.
+
+Keys are the pair's tokens (the prompt's real tokens and the answer's scored tokens), so a
+prompt layout, a question or an answer that changes is a new pair. A memo belongs to one generator
+and one tokenizer: its file is named by their fingerprint and holds it, and a file whose
+fingerprint differs is never read. Causal generators only (a seq2seq generator's loss would
+need its decoder's own target handling).
+
+Legend: B batch, N docs, S prompt length, T answer length, M pairs computed in one call.
+"""
+
+import functools
+import hashlib
+import io
+import json
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from rag_jax import causal, rag_math
+from rag_jax.retrieval import encode, files
+from rag_jax.retrieval.store import tokenizer_fingerprint
+
+CHUNK = 8  # pairs per generator call: one compiled program per (prompt width, answer width)
+
+
+def fingerprint(rag_cfg, generator_params, tokenizer) -> str:
+    """The generator's and tokenizer's fingerprint, which names and guards a memo."""
+    key = {
+        "generator": encode.encoder_fingerprint(rag_cfg.generator, generator_params),
+        "tokenizer": tokenizer_fingerprint(tokenizer),
+    }
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def pair_logprobs(rag_cfg, generator_params, context_ids, context_mask, labels) -> jax.Array:
+    """[M, T] `log p(labels[m, t] | prompt m, labels[m, :t])` of M (prompt, answer) pairs.
+
+    Args:
+      rag_cfg: the RAG config (a causal generator).
+      generator_params: its parameters.
+      context_ids: [M, S] prompts, right- or left-padded.
+      context_mask: [M, S].
+      labels: [M, T] answer tokens (pad in place of the ignore index).
+    """
+    one = rag_cfg.replace(n_docs=1)
+    logits = causal.answer_logits(
+        one, {"generator": generator_params}, context_ids, context_mask, labels
+    )  # -> [M, T, V]
+    token_lp, _ = rag_math._token_logprobs(logits[:, None], labels)  # -> [M, 1, T]
+    return token_lp[:, 0]
+
+
+class AnswerMemo:
+    """Answer log-probabilities of (prompt, answer) pairs under one frozen causal generator.
+
+    `logprobs(...)` returns them for a batch, computing the pairs it has not seen; `save()`
+    writes the memo atomically to `<directory>/<fingerprint>.npz` (read back at construction).
+    """
+
+    def __init__(self, rag_cfg, generator_params, tokenizer, directory):
+        if not causal.is_causal(rag_cfg):
+            raise ValueError(
+                "config.train.answer_memo needs a causal generator (model.generator_path a "
+                "Llama-family model); a seq2seq generator's likelihood is not memoised"
+            )
+        if rag_cfg.label_smoothing:
+            raise ValueError(
+                f"config.train.answer_memo memoises the answer tokens' log-probabilities, not "
+                f"the label-smoothing sums: set config.rag.label_smoothing=0 (it is "
+                f"{rag_cfg.label_smoothing})"
+            )
+        self.cfg = rag_cfg
+        self.fingerprint = fingerprint(rag_cfg, generator_params, tokenizer)
+        self.path = pathlib.Path(directory) / f"{self.fingerprint}.npz"
+        self.values: dict[bytes, np.ndarray] = {}
+        self.computed = self.reused = 0  # pairs, since construction
+        self._unsaved = 0
+        if self.path.is_file():
+            self._load()
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+    def _load(self) -> None:
+        try:
+            with np.load(self.path, allow_pickle=False) as f:
+                stored = str(f["fingerprint"])
+                keys, offsets, values = f["keys"], f["offsets"], f["values"]
+        except Exception as e:  # zip/npz errors name neither the file nor the cause
+            raise ValueError(f"{self.path}: unreadable answer memo ({e}); delete it") from e
+        if stored != self.fingerprint:
+            raise ValueError(
+                f"{self.path} holds the answer memo of generator/tokenizer {stored}, not of "
+                f"this run's {self.fingerprint}; it is not read (delete it or use another "
+                "warm_start.cache_dir)"
+            )
+        for i, key in enumerate(keys):
+            self.values[key.tobytes()] = values[offsets[i] : offsets[i + 1]]
+
+    def save(self) -> None:
+        """Writes the memo (only when it grew since the last write; process 0 only)."""
+        if not self._unsaved or jax.process_index() != 0:
+            return
+        keys = list(self.values)
+        lengths = [len(self.values[k]) for k in keys]
+        arrays = {
+            "fingerprint": np.array(self.fingerprint),
+            "keys": np.array([np.frombuffer(k, np.uint8) for k in keys], np.uint8).reshape(
+                len(keys), 20
+            ),
+            "offsets": np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
+            "values": np.concatenate([self.values[k] for k in keys] or [np.zeros(0)]).astype(
+                np.float32
+            ),
+        }
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        buffer = io.BytesIO()
+        np.savez(buffer, **arrays)
+        files.write_atomic(self.path, buffer.getvalue())
+        self._unsaved = 0
+
+    def logprobs(self, generator_params, context_ids, context_mask, labels) -> np.ndarray:
+        """[B, N, T] float32 answer-token log-probabilities, 0 where not scored.
+
+        Args:
+          generator_params: the frozen generator's parameters (those of the fingerprint).
+          context_ids: [B * N, S] prompts (row b * N + n), as the joint step reads them.
+          context_mask: [B * N, S].
+          labels: [B, T] answer labels (`training.inputs.answer_labels`).
+        """
+        context_ids, context_mask = np.asarray(context_ids), np.asarray(context_mask)
+        labels = np.asarray(labels)
+        batch, width = labels.shape
+        n_docs = context_ids.shape[0] // batch
+        g = self.cfg.generator
+        labels = np.where(labels == causal.IGNORE_INDEX, self.cfg.pad_token_id, labels)
+        scored = np.asarray(causal.label_mask(labels, g.eos_token_id, self.cfg.pad_token_id))
+        rows = np.repeat(np.arange(batch), n_docs)  # the question of each prompt row
+        keys = [
+            hashlib.sha1(
+                context_ids[r][context_mask[r] == 1].astype(np.int32).tobytes()
+                + b"|"
+                + labels[b][scored[b]].astype(np.int32).tobytes()
+            ).digest()
+            for r, b in enumerate(rows)
+        ]
+        missing = [r for r, k in enumerate(keys) if k not in self.values]
+        for start in range(0, len(missing), CHUNK):
+            chunk = missing[start : start + CHUNK]
+            take = chunk + [chunk[0]] * (CHUNK - len(chunk))  # padded with copies of its first
+            values = np.asarray(
+                pair_logprobs(
+                    self.cfg,
+                    generator_params,
+                    jnp.asarray(context_ids[take]),
+                    jnp.asarray(context_mask[take]),
+                    jnp.asarray(labels[rows[take]]),
+                )
+            )
+            for i, r in enumerate(chunk):
+                self.values[keys[r]] = values[i][scored[rows[r]]].astype(np.float32)
+        self.computed += len(missing)
+        self.reused += len(keys) - len(missing)
+        self._unsaved += len(missing)
+        out = np.zeros((batch * n_docs, width), np.float32)
+        for r, (key, b) in enumerate(zip(keys, rows)):
+            out[r, scored[b]] = self.values[key]
+        return out.reshape(batch, n_docs, width)
