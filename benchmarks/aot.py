@@ -36,7 +36,6 @@ Legend: B global batch, b per chip, N docs, S context length, T target length, Q
 length, C index rows, D vector width, n chips, P parameters.
 """
 
-import contextlib
 import dataclasses
 import functools
 import gzip
@@ -54,7 +53,7 @@ import ml_collections
 from benchmarks import hlo
 from benchmarks.accelerator import device_peaks, train_flops
 from rag_jax import evaluation, experiment, settings, sharding
-from rag_jax.models import llama
+from rag_jax.models import flash, llama
 from rag_jax.retrieval import index as index_files
 from rag_jax.retrieval.device_index import DeviceIndex
 from rag_jax.training import loop
@@ -386,12 +385,8 @@ def check_batch(batch: int, t: Target, what: str) -> None:
 
 
 def _kernel_mesh(config, mesh):
-    """The mesh as the tracing context when the program holds Pallas kernels
-    (`model.attention_impl="flash"`): they run in `jax.shard_map` over it (`models.flash`), as
-    XLA does not partition them; the XLA programs are compiled as they always were."""
-    if config.model.attention_impl == "flash":
-        return jax.set_mesh(mesh)
-    return contextlib.nullcontext()
+    """`flash.tracing_mesh` for `config.model.attention_impl`."""
+    return flash.tracing_mesh(config.model.attention_impl, mesh)
 
 
 def _compile(lowered_fn) -> tuple[object | None, dict]:

@@ -24,6 +24,7 @@ s when their ids are equal, and, with `causal`, when s <= t.
 Legend: B batch, h heads, T query length, S key length, d head width.
 """
 
+import contextlib
 import functools
 
 import jax
@@ -55,6 +56,13 @@ def check_no_dropout(rate: float, deterministic: bool, setting: str) -> None:
             f"{setting}={rate} in training: set it to 0.0, train with model.deterministic=True, "
             "or use model.attention_impl='xla'"
         )
+
+
+def tracing_mesh(impl: str, mesh):
+    """The context to trace a program in: the mesh (`jax.set_mesh`) when it holds the kernels
+    (`impl == "flash"`), which then run in `jax.shard_map` over it, as XLA does not partition
+    them; nothing for the XLA path, whose programs are traced as they always were."""
+    return jax.set_mesh(mesh) if impl == "flash" else contextlib.nullcontext()
 
 
 def _round_up(n: int, multiple: int) -> int:

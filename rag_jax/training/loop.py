@@ -30,6 +30,7 @@ import tqdm
 
 from rag_jax import bundle, checkpoints, experiment, metrics, settings, sharding
 from rag_jax.evaluation import evaluate, summary_metrics
+from rag_jax.models import flash
 from rag_jax.retrieval import files
 from rag_jax.retrieval.device_index import DeviceIndex
 from rag_jax.retrieval.retriever import Retriever
@@ -325,7 +326,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir) -> dict:
         # training.inputs.context_width and label_width
         contexts = batch.arrays.get("context_input_ids")  # none with an answer memo
         width = (0 if contexts is None else contexts.shape[-1], batch.arrays["labels"].shape[-1])
-        with jax.transfer_guard("disallow"):
+        # Pallas kernels (model.attention_impl="flash") are split over the mesh they are
+        # traced under.
+        kernels = flash.tracing_mesh(config.model.attention_impl, mesh)
+        with jax.transfer_guard("disallow"), kernels:
             if not compiled:  # ahead of the first call: the widest step's memory is checked
                 widest = (exp.rag_cfg.max_combined_length, config.data.answer_length)
                 compiled[widest] = step_fn.lower(state, *_with_width(inputs, *widest)).compile()
