@@ -19,7 +19,6 @@ tokens per second, the reader's loss log) and prints a Markdown table.
 """
 
 import argparse
-import importlib.util
 import json
 import os
 import pathlib
@@ -30,20 +29,9 @@ import numpy as np
 from rag_jax import data, evaluation, experiment, host, settings
 from rag_jax.retrieval import files
 from rag_jax.retrieval.corpus import read_passages
+from squad_study import CONFIGS  # the configs, loaded by path
 
-
-def _load_config(name: str):
-    """experiments/configs/<name>.py, loaded by path (the script works from any directory)."""
-    spec = importlib.util.spec_from_file_location(
-        name, pathlib.Path(__file__).resolve().parent / "configs" / f"{name}.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-squad_open = _load_config("squad_open")
-squad_llama = _load_config("squad_llama")
+squad_open = CONFIGS["squad_open"]
 
 # config -> variant -> overrides of that config (its "default" is the config as it is).
 VARIANTS = {
@@ -72,7 +60,6 @@ VARIANTS = {
         "all": {"warm_start.reader_trained_layers": 30},
     },
 }
-CONFIGS = {"squad_open": squad_open, "squad_llama": squad_llama}
 
 
 def holdout_split(questions_path, passages_path, articles: int, seed: int, out: pathlib.Path):

@@ -2,12 +2,15 @@ r"""The feedback loop on real text: does joint training beat a frozen retriever 
 
     python experiments/squad_study.py --out /tmp/squad_study                 # 4 rows x 3 seeds
     python experiments/squad_study.py --out /tmp/squad_quick --variant dev --seeds 0
+    python experiments/squad_study.py --config squad_llama --out /tmp/llama_study
 
-Every row is `experiments/configs/squad_open.py` with the overrides of `ROWS` (the README's row
-commands differ by exactly these), the same data, models, warm starts (the reader warm start is
-cached once in `<out>/cache` and shared by every row and seed: `init_seed`) and step budget:
+Every row is `experiments/configs/squad_open.py` (or `--config squad_llama`) with the overrides of
+`ROWS` (the README's row commands differ by exactly these), the same data, models, warm starts
+(the reader warm start is cached once in `<out>/cache` and shared by every row and seed:
+`init_seed`; so is squad_llama's answer memo) and step budget:
   1. closed_book   the generator alone, the question as its only context;
-  2. frozen        MiniLM retrieves, frozen; the generator trains (bolt-on RAG);
+  2. frozen        MiniLM retrieves, frozen; the generator trains (bolt-on RAG; squad_llama's
+                   generator is frozen in every row, so nothing trains in this one);
   3. joint         the question encoder trains through the RAG-Sequence likelihood;
   4. joint_token   the same through RAG-Token.
 Seeds vary the batches and dropout (`seed`), not the initial model (`init_seed`).
@@ -39,11 +42,19 @@ from rag_jax.retrieval.build import workdir_store
 from rag_jax.retrieval.index import ExactIndex
 from rag_jax.training import loop, salient
 
-_SPEC = importlib.util.spec_from_file_location(
-    "squad_open", pathlib.Path(__file__).resolve().parent / "configs" / "squad_open.py"
-)
-squad_open = importlib.util.module_from_spec(_SPEC)
-_SPEC.loader.exec_module(squad_open)
+
+def _load_config(name: str):
+    """experiments/configs/<name>.py, loaded by path (the script works from any directory)."""
+    spec = importlib.util.spec_from_file_location(
+        name, pathlib.Path(__file__).resolve().parent / "configs" / f"{name}.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+CONFIGS = {name: _load_config(name) for name in ("squad_open", "squad_llama")}
+squad_open = CONFIGS["squad_open"]
 
 ROWS = {
     "closed_book": {"rag.closed_book": True, "rag.n_docs": 1},
@@ -132,7 +143,8 @@ def markdown(table: dict) -> str:
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="folder for the runs and results")
-    parser.add_argument("--variant", default="", choices=("", "dev"), help="squad_open variant")
+    parser.add_argument("--config", default="squad_open", choices=sorted(CONFIGS))
+    parser.add_argument("--variant", default="", choices=("", "dev"), help="the config's variant")
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--rows", default=",".join(ROWS), help="comma-separated subset")
     parser.add_argument("--swap_questions", type=int, default=100)
@@ -152,7 +164,8 @@ def main(argv=None):
         key, _, value = item.partition("=")
         extra[key] = json.loads(value)
     for seed in seeds:
-        base = settings.override(squad_open.get_config(args.variant), dict(extra, seed=seed))
+        config = CONFIGS[args.config].get_config(args.variant)
+        base = settings.override(config, dict(extra, seed=seed))
         base.retrieval.cache_dir = str(out / "index_cache")  # one encoding of the corpus
         feedback_study.run(
             base,

@@ -91,6 +91,7 @@ class Experiment:
                 self.generator_tokenizer,
                 dim,
                 max_combined_length=self.rag_cfg.max_combined_length,
+                prefix=closed_book_prefix(self.rag_cfg),
             )
         r, store = config.retrieval, store or self.store
         common = dict(
@@ -229,6 +230,16 @@ PLAIN_PROMPT = {
     "doc_sep": "\nQuestion: ",
     "suffix": "\nAnswer:",
 }
+
+
+def closed_book_prefix(rag_cfg) -> str:
+    """The text before a closed-book question: for a causal generator its prompt's opening (the
+    chat template's head) and the question's label ("Question:"), without the context; nothing
+    for BART, which reads the question alone."""
+    if not rag_cfg.causal:
+        return ""
+    head = rag_cfg.prefix.removesuffix(PLAIN_PROMPT["prefix"])
+    return head + rag_cfg.doc_sep.rstrip(" ").lstrip("\n")
 
 
 def prompt_layout(kind: str, tokenizer) -> dict:

@@ -456,3 +456,24 @@ def test_eval_batches_by_hand():
     assert m0.all() and m1.all()
     with pytest.raises(ValueError, match="num_examples must be an integer >= 1"):
         next(data.eval_batches(0, 3))
+
+
+def test_max_train_and_max_eval_take_the_first_n_or_a_seeded_sample():
+    import ml_collections
+
+    from rag_jax import evaluation, experiment
+
+    examples = list(range(100))
+    first = ml_collections.ConfigDict({"sample_seed": -1})
+    assert experiment._first_or_sample(examples, 10, first) == list(range(10))
+    seeded = ml_collections.ConfigDict({"sample_seed": 3})
+    sample = experiment._first_or_sample(examples, 10, seeded)
+    assert sample == sorted(sample) and len(set(sample)) == 10 and sample != list(range(10))
+    assert experiment._first_or_sample(examples, 10, seeded) == sample  # the same draw
+    assert experiment._first_or_sample(examples, 0, seeded) == examples
+    assert experiment._first_or_sample(examples, 500, seeded) == examples
+    # eval.answer_examples: a seeded sample of the evaluated questions, or all of them.
+    picked = evaluation.answer_sample(5, 100, 0)
+    assert len(set(picked.tolist())) == 5 and list(picked) == sorted(picked)
+    assert evaluation.answer_sample(0, 100, 0) is None
+    assert evaluation.answer_sample(100, 100, 0) is None

@@ -242,21 +242,29 @@ class ClosedBook:
     n_docs = 1
     index = None
 
-    def __init__(self, tokenizer, dim: int, *, max_combined_length: int):
+    def __init__(self, tokenizer, dim: int, *, max_combined_length: int, prefix: str = ""):
         """Args:
         tokenizer: the generator's tokenizer (adds its special tokens around the question).
         dim: D, the question encoder's output width.
         max_combined_length: S, generator context length.
+        prefix: text before the question (a causal generator's prompt opening, e.g. its chat
+          template's head and "Question:"); empty for BART, which reads the question alone.
         """
         self.tokenizer, self.dim = tokenizer, dim
         self.max_combined_length = max_combined_length
-        # The special tokens of an empty input: [CLS] [SEP] (BERT) or <s> </s> (BART).
-        self.special = list(tokenizer("")["input_ids"])
+        # The special tokens of an empty input: [CLS] [SEP] (BERT) or <s> </s> (BART), and the
+        # prefix's tokens after the first of them.
+        prefix_ids = (
+            list(tokenizer(prefix, add_special_tokens=False)["input_ids"]) if prefix else []
+        )
+        special = list(tokenizer("")["input_ids"])
+        self.special = special[:1] + prefix_ids + special[1:]
+        self._head = 1 + len(prefix_ids) if special else len(prefix_ids)
         self.num_special = len(self.special)
         if max_combined_length <= self.num_special:
             raise ValueError(
                 f"max_combined_length={max_combined_length} leaves no room for the question "
-                f"next to {self.num_special} special tokens"
+                f"next to {self.num_special} special and prefix tokens"
             )
 
     def __call__(self, question_vectors: np.ndarray, question_pieces: list[list[int]]) -> Retrieved:
@@ -267,7 +275,7 @@ class ClosedBook:
         mask = np.zeros((batch, length), np.int32)
         for b, piece in enumerate(question_pieces):
             body = list(piece)[: length - self.num_special]
-            row = self.special[:1] + body + self.special[1:]
+            row = self.special[: self._head] + body + self.special[self._head :]
             ids[b, : len(row)], mask[b, : len(row)] = row, 1
         return Retrieved(
             doc_ids=np.full((batch, 1), -1, np.int64),

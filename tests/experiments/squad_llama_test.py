@@ -12,6 +12,7 @@ from configs_test import load_config
 
 import hf_fixtures
 from rag_jax import bundle, experiment, hf, hf_export, hf_llama, rag, settings
+from rag_jax.retrieval.retriever import ClosedBook
 from rag_jax.training import loop
 from squad_subset import squad_subset
 
@@ -87,6 +88,13 @@ def test_squad_llama_builds_trains_and_answers(shared_data, tmp_path, tiny_reade
     text = tok.decode(ids[0][mask[0] == 1])
     assert text.startswith("<|im_start|>system\n") and "<|im_start|>user\nContext: " in text
     assert text.endswith(f"\nQuestion: {question}<|im_end|>\n<|im_start|>assistant\n")
+    # Closed book: the same prompt without the context.
+    closed = ClosedBook(
+        tok, 8, max_combined_length=64, prefix=experiment.closed_book_prefix(exp.rag_cfg)
+    )(None, pieces)
+    closed_text = tok.decode(closed.context_input_ids[0][closed.context_attention_mask[0] == 1])
+    head = text.split("Context: ")[0]  # the chat template up to the user's message
+    assert closed_text == f"{head}Question: {question}<|im_end|>\n<|im_start|>assistant\n"
 
     before = jax.tree.map(np.array, exp.params["generator"])
     summary = loop.train_and_evaluate(config, tmp_path / "work")
