@@ -10,6 +10,10 @@ num_beams, n_docs) wait for their own batch. Waiting from the end of the previou
 clients just answered send their next requests into the coming batch instead of the one after:
 under load, batches fill instead of alternating between two half-full groups.
 
+A call that raises is not handed to every request it merged: each of its requests is answered
+again on its own, so a request whose questions make the model fail fails alone. A request
+cancelled before its call begins (its client went away) is dropped.
+
 Legend: B questions in one call.
 """
 
@@ -132,10 +136,16 @@ class Batcher:
             start = time.monotonic()
             try:
                 answers = self.answer_fn(questions, batch[0].setting)
-            except Exception as e:  # noqa: BLE001 - handed to every waiting request
-                self._idle_since = time.monotonic()
+            except Exception as e:  # noqa: BLE001 - handed to its request, or each tried alone
+                if len(batch) == 1:
+                    self._idle_since = time.monotonic()
+                    batch[0].future.set_exception(e)
+                    continue
+                # One request's questions may be what failed: answer each request on its own,
+                # so that only a failing one fails and the others get their answers.
                 for r in batch:
-                    r.future.set_exception(e)
+                    self._answer_alone(r)
+                self._idle_since = time.monotonic()
                 continue
             self._idle_since = time.monotonic()
             seconds = self._idle_since - start
@@ -145,3 +155,14 @@ class Batcher:
                 at += len(r.questions)
             if self._on_batch is not None:
                 self._on_batch(len(questions), len(batch), seconds)
+
+    def _answer_alone(self, request: _Request) -> None:
+        start = time.monotonic()
+        try:
+            answers = self.answer_fn(request.questions, request.setting)
+        except Exception as e:  # noqa: BLE001 - handed to this request only
+            request.future.set_exception(e)
+            return
+        request.future.set_result(answers)
+        if self._on_batch is not None:
+            self._on_batch(len(request.questions), 1, time.monotonic() - start)

@@ -1,5 +1,5 @@
 """The dynamic batcher: concurrent requests merged into one call, settings kept apart, the
-largest call bounded, a failed call failing only its own requests."""
+largest call bounded, a failed call failing only the request at fault."""
 
 import threading
 import time
@@ -68,14 +68,22 @@ def test_a_request_waits_at_most_max_wait_for_company():
     batcher.close()
 
 
-def test_a_failed_call_fails_its_requests_and_the_batcher_keeps_serving():
+def test_a_failed_call_fails_only_the_request_at_fault_and_the_batcher_keeps_serving():
+    """A merged call that raises is answered again request by request: the request whose
+    questions fail gets the error, the others of its call their answers."""
     model = _Model()
-    batcher = Batcher(model, max_batch=8, max_wait_s=0.05)
-    bad, same_call = batcher.submit(TOKEN, ["boom"]), batcher.submit(TOKEN, ["x"])
+    batches = []
+    batcher = Batcher(
+        model, max_batch=8, max_wait_s=0.05, on_batch=lambda *a: batches.append(a[:2])
+    )
+    before = batcher.submit(TOKEN, ["a", "b"])
+    bad = batcher.submit(TOKEN, ["boom"])
+    after = batcher.submit(TOKEN, ["x"])
     with pytest.raises(RuntimeError, match="boom"):
         bad.result(5)
-    with pytest.raises(RuntimeError, match="boom"):
-        same_call.result(5)
+    assert before.result(5) == [("a", TOKEN), ("b", TOKEN)] and after.result(5) == [("x", TOKEN)]
+    assert [qs for qs, _ in model.calls] == [("a", "b", "boom", "x"), ("a", "b"), ("boom",), ("x",)]
+    assert batches == [(2, 1), (1, 1)]  # the answered calls, one request each
     assert batcher.submit(TOKEN, ["fine"]).result(5) == [("fine", TOKEN)]
     with pytest.raises(ValueError, match=r"1 to 8 questions, got 9"):
         batcher.submit(TOKEN, ["q"] * 9)
