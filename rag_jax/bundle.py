@@ -159,6 +159,8 @@ class Bundle:
         # A fast tokenizer keeps truncation and padding as state between calls, so one shared by
         # an edit and a concurrent answer can tokenise either wrongly: edits use their own copies.
         self._edit_tokenizers = None  # (generator tokenizer, passage encoder), made by `edit`
+        self._compile_lock = threading.Lock()
+        self._compile_tokenizers = None  # (question, generator) copies, made by `compile`
 
     # -----------------------------------------------------------------------------------------
     # What it holds
@@ -365,7 +367,8 @@ class Bundle:
     ) -> int:
         """Compiles the answering programs of one setting for every batch bucket up to
         `max_batch` and every context width, so that later answers of that setting never
-        compile (a server calls it before it reports ready). Arguments as `answer`'s.
+        compile (a server calls it before it reports ready, and for a new setting on a thread
+        of its own while it answers others). Arguments as `answer`'s.
 
         Returns:
           How many (bucket, width) shapes were run.
@@ -380,15 +383,34 @@ class Bundle:
         widths = sorted({min(w, length) for w in steps})
         top = next((b for b in BATCH_BUCKETS if b >= max_batch), BATCH_BUCKETS[-1])
         sizes = [b for b in BATCH_BUCKETS if b <= top]
-        for size in sizes:
-            for width in widths:
-                self._answer_batch(["?"] * size, retriever, programs, variant, width=width)
+        with self._compile_lock:  # compiles may run beside answers: their own tokenizers
+            if self._compile_tokenizers is None:
+                self._compile_tokenizers = copy.deepcopy(
+                    (self.question_tokenizer, self.generator_tokenizer)
+                )
+            for size in sizes:
+                for width in widths:
+                    self._answer_batch(
+                        ["?"] * size,
+                        retriever,
+                        programs,
+                        variant,
+                        width=width,
+                        tokenizers=self._compile_tokenizers,
+                    )
         return len(sizes) * len(widths)
 
     def _answer_batch(
-        self, questions, retriever: Retriever, programs, variant, width: int | None = None
+        self,
+        questions,
+        retriever: Retriever,
+        programs,
+        variant,
+        width: int | None = None,
+        tokenizers: tuple | None = None,
     ) -> list[Answer]:
-        count, q_tok, g_tok = len(questions), self.question_tokenizer, self.generator_tokenizer
+        q_tok, g_tok = tokenizers or (self.question_tokenizer, self.generator_tokenizer)
+        count = len(questions)
         size = next(b for b in BATCH_BUCKETS if b >= count)
         length = self.settings.question_length
         fields = question_tokens(q_tok, questions, length)
@@ -488,6 +510,10 @@ class Bundle:
 
         Raises:
           ValueError: naming the record or id at fault (nothing is written then).
+          bundle_format.DamagedBundleError: a file of the model (config, parameters, tokenizers)
+            is missing or differs from the manifest (nothing is written then).
+          OSError: the new folder could not be written (e.g. a full disk, saying so); the
+            previous bundle is intact.
         """
         if self.directory is None:
             raise ValueError("this bundle has no folder to write the edit to; save() it first")
@@ -534,8 +560,9 @@ class Bundle:
 
             def write_fn(tmp):
                 tmp = pathlib.Path(tmp)
-                for part in ("config.json", "params", "tokenizers"):  # unchanged: hard links
-                    bundle_format.link_tree(old_dir / part, tmp / part)
+                # Unchanged: hard links, each checked against the manifest first, so that a
+                # file damaged or deleted since the load is never sealed into the new manifest.
+                bundle_format.link_model(old_dir, tmp, knowledge.manifest)
                 built = PassageStore.build(
                     passages, generator_tokenizer, tmp / "passages", **layout
                 )

@@ -17,9 +17,12 @@
       scann/                   a ScaNN searcher over them (only when the run searched with ScaNN)
 
 A folder is written whole beside its destination and swapped in (`files.swap_dir`), so a crash
-leaves the previous bundle. `read` refuses a missing, truncated or corrupted file (naming it), a
-manifest edited after it was sealed, and a manifest whose encoder fingerprint or corpus checksum
-disagrees with the parameters, the store or the index.
+leaves the previous bundle; a crash between the swap's two renames leaves it aside, in
+`.<name>.old.*/<name>`, and `read` puts it back (`restore`). `read` refuses a missing, truncated
+or corrupted file (naming it), parameters holding NaN or inf, a manifest edited after it was
+sealed, and a manifest whose encoder fingerprint or corpus checksum disagrees with the
+parameters, the store or the index. An edit links the model's files into its new folder only
+after checking them against the manifest (`link_model`): a damaged bundle is never sealed again.
 
 Legend: C corpus size, D vector width.
 """
@@ -29,6 +32,7 @@ import json
 import os
 import pathlib
 import shutil
+import time
 
 import flax
 import jax
@@ -50,6 +54,13 @@ PARAMS = {tower: f"params/{tower}.safetensors" for tower in TOWERS}
 TOKENIZERS = {"question": "tokenizers/question", "generator": "tokenizers/generator"}
 # Parts every bundle holds (the tokenizer folders are checked by loading them).
 _REQUIRED = ("config.json", *PARAMS.values(), "passages/manifest.json", "index/manifest.json")
+# The model's parts: never changed by an edit, which links them into its new folder.
+MODEL_PARTS = ("config.json", "params", "tokenizers")
+
+
+class DamagedBundleError(RuntimeError):
+    """A bundle's own file is missing or differs from its manifest: the folder was damaged
+    after it was written (the request that found it is not at fault)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,6 +155,66 @@ def link_tree(source: pathlib.Path, target: pathlib.Path) -> None:
             shutil.copy2(src, dst)
 
 
+def link_model(source: pathlib.Path, target: pathlib.Path, manifest: dict) -> None:
+    """Hard-links the model's files (`MODEL_PARTS`) of the bundle folder `source` into `target`,
+    each first checked whole (size and sha256) against `manifest`, the one `source` was loaded
+    with: a missing, extra or changed file raises `DamagedBundleError` naming it."""
+    source, target = pathlib.Path(source), pathlib.Path(target)
+    path = source / files.MANIFEST
+    inside = lambda rel: rel.split("/")[0] in MODEL_PARTS  # noqa: E731
+    listed = {rel: record for rel, record in manifest["files"].items() if inside(rel)}
+    found = set()
+    for part in MODEL_PARTS:
+        if (source / part).is_dir():
+            found |= {f"{part}/{rel}" for rel in files.files_under(source / part)}
+        elif (source / part).exists():
+            found.add(part)
+    advice = "the edit was not written; restore the bundle from a good copy"
+    extra = sorted(found - set(listed))
+    if extra:
+        raise DamagedBundleError(f"{source / extra[0]} is not listed in {path}; {advice}")
+    for rel, record in sorted(listed.items()):
+        try:
+            files.check_file(source / rel, record, verify=True, what="bundle file", manifest=path)
+        except (OSError, ValueError) as e:
+            raise DamagedBundleError(f"{e}; {advice}") from None
+        (target / rel).parent.mkdir(parents=True, exist_ok=True)
+        link_tree(source / rel, target / rel)
+
+
+def _aside(directory: pathlib.Path, kind: str) -> list[pathlib.Path]:
+    """The folders `files.swap_dir` writes beside `directory`: kind "new" or "old"."""
+    return sorted(directory.parent.glob(f".{directory.name}.{kind}.*"))
+
+
+def restore(directory) -> bool:
+    """Puts back the bundle a crash between `files.swap_dir`'s two renames left aside (in
+    `.<name>.old.*/<name>`) when `directory` is missing; whether it did."""
+    directory = pathlib.Path(directory).absolute()
+    if directory.exists():
+        return False
+    for old in _aside(directory, "old"):
+        if (old / directory.name / files.MANIFEST).is_file():
+            os.rename(old / directory.name, directory)
+            files.fsync_dir(directory.parent)
+            return True
+    return False
+
+
+def remove_stale(directory, min_age_s: float = 60.0) -> list[pathlib.Path]:
+    """Restores an interrupted swap's bundle (`restore`), then removes the folders interrupted
+    writes left beside `directory` (`.<name>.new.*`, `.<name>.old.*`, older than `min_age_s`: a
+    write in progress elsewhere is left alone); the folders removed."""
+    directory = pathlib.Path(directory).absolute()
+    restore(directory)
+    removed = []
+    for folder in _aside(directory, "new") + _aside(directory, "old"):
+        if time.time() - folder.stat().st_mtime >= min_age_s:
+            shutil.rmtree(folder, ignore_errors=True)
+            removed.append(folder)
+    return removed
+
+
 def write_index(
     directory, fingerprint: str, checksum: str, vectors, settings: Settings, scann=None
 ):
@@ -190,6 +261,7 @@ def read(directory, *, verify: bool = True) -> Parts:
       FileNotFoundError / ValueError naming the file that is missing, damaged or inconsistent.
     """
     directory = pathlib.Path(directory)
+    restore(directory)
     manifest = files.read_manifest(
         directory,
         {FORMAT: (VERSION,)},
@@ -336,6 +408,12 @@ def _read_params(directory: pathlib.Path, tower: str, shapes) -> dict:
             raise ValueError(
                 f"{path}: {name} is {flat[name].dtype}{list(flat[name].shape)}; config.json's "
                 f"{tower} needs {spec.dtype}{list(spec.shape)}"
+            )
+        finite = np.isfinite(flat[name].astype(np.float32, copy=False))
+        if not finite.all():  # a model that loads and then answers nothing but errors
+            raise ValueError(
+                f"{path}: {name} holds {finite.size - int(finite.sum())} NaN or inf values (of "
+                f"{finite.size}); the parameters are damaged"
             )
     return flax.traverse_util.unflatten_dict(flat, sep="/")
 

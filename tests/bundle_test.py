@@ -6,6 +6,7 @@ import json
 import os
 import pathlib
 import shutil
+import tempfile
 import threading
 
 import jax
@@ -252,6 +253,73 @@ def test_a_crash_mid_edit_leaves_the_previous_bundle_whole(copy, trained, monkey
     assert sorted(os.listdir(copy.parent)) == ["bundle"]  # no half-written folder left behind
     assert [a.to_dict() for a in model.answer(questions)] == want
     assert [a.to_dict() for a in bundle.load(copy).answer(questions)] == want
+
+
+def test_an_edit_never_seals_a_damaged_or_deleted_model_file(copy):
+    """An edit links the model's files into its new folder: one changed or deleted since the load
+    is refused by name, nothing is written, and the bundle still refuses to load."""
+    model = bundle.load(copy)
+    params = copy / "params" / "generator.safetensors"
+    whole = params.read_bytes()
+    damaged = bytearray(whole)
+    damaged[len(damaged) // 2] ^= 1
+    params.write_bytes(bytes(damaged))
+    before = _snapshot(copy)
+    with pytest.raises(
+        bundle_format.DamagedBundleError, match=r"params/generator.safetensors is corrupted"
+    ):
+        model.edit(upserts=[Passage("new", "t", "a new text .")])
+    assert _snapshot(copy) == before and sorted(os.listdir(copy.parent)) == ["bundle"]
+    with pytest.raises(ValueError, match=r"params/generator.safetensors is corrupted"):
+        bundle.load(copy)
+    params.write_bytes(whole)
+    (copy / "params" / "question_encoder.safetensors").unlink()
+    before = _snapshot(copy)
+    with pytest.raises(
+        bundle_format.DamagedBundleError, match=r"params/question_encoder.safetensors is missing"
+    ):
+        model.edit(deletes=[model.store.ids[0]])
+    assert _snapshot(copy) == before and len(model.store) == 192
+    with pytest.raises(FileNotFoundError, match=r"question_encoder.safetensors is missing"):
+        bundle.load(copy)
+    (copy / "tokenizers" / "stray.txt").write_text("not the bundle's")
+    with pytest.raises(bundle_format.DamagedBundleError, match=r"tokenizers/stray.txt is not"):
+        model.edit(deletes=[model.store.ids[0]])
+
+
+def test_parameters_holding_nan_or_inf_are_refused_at_load(copy):
+    """A bundle whose parameters hold NaN would load, turn healthy and answer only errors."""
+    from safetensors.numpy import load_file, save_file
+
+    rel = "params/generator.safetensors"
+    flat = load_file(str(copy / rel))
+    name = sorted(flat)[0]
+    flat[name] = flat[name].copy()
+    flat[name].reshape(-1)[[0, 1]] = [np.nan, np.inf]
+    save_file(flat, str(copy / rel), metadata={"format": bundle.FORMAT})
+    manifest = files.read_manifest(copy, {bundle.FORMAT: (bundle.VERSION,)}, what="bundle")
+    _reseal(copy, files={**manifest["files"], rel: files.file_record(copy / rel)})
+    with pytest.raises(ValueError, match=rf"{rel}: {name} holds 2 NaN or inf values"):
+        bundle.load(copy)
+
+
+def test_a_crash_between_the_swaps_two_renames_is_recovered(copy, trained):
+    """`files.swap_dir` renames the bundle aside, then the new folder in: killed between the two,
+    no bundle is at the path. The next load puts the previous one back; the folders interrupted
+    writes left are removed at a server's start."""
+    _, _, _, predictions = trained
+    questions = [p["question"] for p in predictions[:2]]
+    want = [a.to_dict() for a in bundle.load(copy).answer(questions)]
+    parent = copy.parent
+    old = pathlib.Path(tempfile.mkdtemp(dir=parent, prefix=".bundle.old."))
+    new = pathlib.Path(tempfile.mkdtemp(dir=parent, prefix=".bundle.new."))
+    os.rename(copy, old / "bundle")  # the state the first rename leaves
+    (new / "half-written").write_text("x")
+    assert [a.to_dict() for a in bundle.load(copy).answer(questions)] == want
+    assert bundle_format.remove_stale(copy) == []  # fresh ones may be a write in progress
+    assert sorted(bundle_format.remove_stale(copy, min_age_s=0)) == sorted([new, old])
+    assert sorted(os.listdir(parent)) == ["bundle"]
+    bundle.load(copy)
 
 
 @pytest.mark.slow  # trains the default job: ~2-4 min on 2 cores
