@@ -27,6 +27,18 @@ _MAX_BEAMS = flags.DEFINE_integer("max_beams", 8, "largest num_beams a request m
 _WARM = flags.DEFINE_multi_enum(
     "warm_variant", [], ["sequence", "token"], "variants compiled before ready (the bundle's)"
 )
+_COLD = flags.DEFINE_integer(
+    "max_cold_settings", 4, "settings compiled on demand beyond the warmed; 0 = warmed only"
+)
+_QUESTION_CHARS = flags.DEFINE_integer("max_question_chars", 2_000, "longest question (chars)")
+_PASSAGE_CHARS = flags.DEFINE_integer("max_passage_chars", 100_000, "longest edited passage")
+_ID_CHARS = flags.DEFINE_integer("max_id_chars", 256, "longest edited passage id (chars)")
+_BODY = flags.DEFINE_integer("max_body_bytes", 1 << 20, "largest request body (bytes)")
+_HOSTS = flags.DEFINE_multi_string(
+    "allowed_host", [], "Host headers answered (default: localhost names and --host)"
+)
+_KEEP_ALIVE = flags.DEFINE_float("keep_alive_s", 5.0, "idle connections closed after (s)")
+_CONNECTIONS = flags.DEFINE_integer("max_connections", 256, "open connections (503 beyond)")
 
 
 def main(argv):
@@ -43,6 +55,14 @@ def main(argv):
             max_n_docs=_MAX_N_DOCS.value,
             max_beams=_MAX_BEAMS.value,
             warm_variants=tuple(_WARM.value),
+            max_cold_settings=_COLD.value,
+            max_question_chars=_QUESTION_CHARS.value,
+            max_passage_chars=_PASSAGE_CHARS.value,
+            max_id_chars=_ID_CHARS.value,
+            max_body_bytes=_BODY.value,
+            allowed_hosts=tuple(_HOSTS.value),
+            keep_alive_s=_KEEP_ALIVE.value,
+            max_connections=_CONNECTIONS.value,
         )
     )
 

@@ -8,6 +8,7 @@ import pathlib
 import shutil
 import tempfile
 import threading
+import time
 
 import jax
 import numpy as np
@@ -320,6 +321,18 @@ def test_a_crash_between_the_swaps_two_renames_is_recovered(copy, trained):
     assert sorted(bundle_format.remove_stale(copy, min_age_s=0)) == sorted([new, old])
     assert sorted(os.listdir(parent)) == ["bundle"]
     bundle.load(copy)
+
+
+def test_stale_folders_of_interrupted_writes_are_removed(tmp_path):
+    directory = tmp_path / "bundle"
+    stale = [tmp_path / ".bundle.new.abc", tmp_path / ".bundle.old.def"]
+    for folder in stale:
+        folder.mkdir()
+        os.utime(folder, (time.time() - 3600, time.time() - 3600))
+    fresh = tmp_path / ".bundle.new.ghi"
+    fresh.mkdir()
+    assert sorted(bundle_format.remove_stale(directory)) == sorted(stale)
+    assert sorted(os.listdir(tmp_path)) == [".bundle.new.ghi"]
 
 
 @pytest.mark.slow  # trains the default job: ~2-4 min on 2 cores
