@@ -26,6 +26,7 @@ Legend: B batch, N docs per question, S context length, D vector width, C corpus
 
 import dataclasses
 import hashlib
+import io
 import json
 import pathlib
 
@@ -33,7 +34,7 @@ import jax
 import numpy as np
 
 from rag_jax import checkpoints, sharding
-from rag_jax.retrieval import encode
+from rag_jax.retrieval import encode, files
 from rag_jax.retrieval.device_index import DeviceIndex
 from rag_jax.retrieval.index import ExactIndex, Index, ScannIndex, read_manifest
 from rag_jax.retrieval.store import PassageStore, tokenizer_fingerprint
@@ -354,20 +355,36 @@ class PassageEncoder:
 ENCODE_WINDOW = 1 << 16
 
 
-def encode_store(store: PassageStore, encoder: PassageEncoder) -> np.ndarray:
+def encode_store(store: PassageStore, encoder: PassageEncoder, partial=None) -> np.ndarray:
     """[C, D] float32 vectors of every passage in the store.
 
     Encoded on this process's devices: on several hosts each one encodes the whole corpus, for
     its own replica of a host index, or for its own devices' rows of a `DeviceIndex` (the
     encoder's default mesh refuses to span processes). A stop request (`checkpoints.should_stop`)
     is honoured between windows of `ENCODE_WINDOW` passages, raising `checkpoints.Preempted`.
+
+    Resuming: with `partial` (a file path), the stop first saves the windows encoded so far there
+    (`_save_partial`: one file, written atomically by process 0, keyed by everything the vectors
+    depend on and by the window size), and the next call with the same `partial` starts after
+    them. Each window is encoded alone (`encode.encode_passages` batches within it), so a
+    resumed encoding equals one never stopped bit for bit. A saved file of another encoder,
+    corpus or window is ignored; the file is removed once the whole corpus is encoded.
     """
-    count, parts = len(store), []
-    for start in range(0, count, ENCODE_WINDOW):
+    count, key = len(store), _partial_key(store, encoder)
+    parts = _load_partial(partial, key)
+    first = sum(len(p) for p in parts)
+    if first:
+        print(f"corpus encoding: resuming at passage {first} of {count} from {partial}", flush=True)
+    for start in range(first, count, ENCODE_WINDOW):
         if checkpoints.should_stop():
+            if partial is None:
+                kept = "are not kept; the next run encodes them again"
+            else:
+                _save_partial(partial, key, parts)
+                kept = f"are saved in {partial}, and the next run resumes there"
             raise checkpoints.Preempted(
                 f"stopped while encoding the corpus of {store.directory}: {start} of {count} "
-                "passages were encoded and are not kept; the next run encodes them again"
+                f"passages were encoded and {kept}"
             )
         rows = range(start, min(count, start + ENCODE_WINDOW))
         parts.append(
@@ -384,7 +401,42 @@ def encode_store(store: PassageStore, encoder: PassageEncoder) -> np.ndarray:
                 mesh=sharding.data_mesh(jax.local_devices()),
             )
         )
+    if partial is not None and jax.process_index() == 0:
+        pathlib.Path(partial).unlink(missing_ok=True)
     return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+
+def _partial_key(store: PassageStore, encoder: PassageEncoder) -> str:
+    """What a partial encoding is a function of: the encoding and the window size."""
+    return json.dumps({**encoder.encoding(store), "window": ENCODE_WINDOW}, sort_keys=True)
+
+
+def _save_partial(path, key: str, parts: list[np.ndarray]) -> None:
+    """The windows encoded so far, [n, D] float32, with `key`, in one `.npz` at `path`."""
+    if jax.process_index() != 0:
+        return
+    done = np.concatenate(parts) if parts else np.zeros((0, 0), np.float32)
+    buffer = io.BytesIO()
+    np.savez(buffer, vectors=done, key=np.array(key))
+    pathlib.Path(path).parent.mkdir(parents=True, exist_ok=True)
+    files.write_atomic(path, buffer.getvalue())
+
+
+def _load_partial(path, key: str) -> list[np.ndarray]:
+    """The windows `_save_partial` saved at `path` for `key`, as one part; [] when none."""
+    if path is None or not pathlib.Path(path).is_file():
+        return []
+    try:
+        with np.load(path, allow_pickle=False) as saved:
+            if str(saved["key"]) != key:
+                return []  # another encoder, corpus or window: encoded again from the start
+            done = saved["vectors"]
+    except (OSError, ValueError, KeyError) as e:
+        raise ValueError(
+            f"{path}: the saved partial corpus encoding is unreadable ({e}); delete it to "
+            "encode the corpus from the start"
+        ) from e
+    return [done] if len(done) else []
 
 
 def index_provenance(index: Index) -> dict:
@@ -459,14 +511,16 @@ def build(
       kind: "exact" | "scann" | "device" (see `make_index`).
       n_docs, max_combined_length, search_in_step, keep_question: see `Retriever`.
       mesh: the device index's mesh (default: this process's devices).
-      cache_dir: where encoded corpora are saved and looked for; None: always encode.
+      cache_dir: where encoded corpora are saved and looked for, and where an encoding stopped
+        midway keeps what it encoded (`encode_store`'s `partial`); None: always encode.
     """
     vectors = None
     saved = saved_index_dir(cache_dir, encoder, store) if cache_dir else None
     if saved is not None:
         vectors = load_saved(saved, encoder, store)
     if vectors is None:
-        vectors = encode_store(store, encoder)
+        partial = saved.with_name(f"{saved.name}.partial.npz") if saved is not None else None
+        vectors = encode_store(store, encoder, partial)
         if saved is not None and jax.process_index() == 0:
             provenance = {"encoder_fingerprint": encoder.fingerprint}
             exact = ExactIndex(vectors, corpus_checksum=store.checksum, **provenance)

@@ -78,7 +78,9 @@ def test_build_reuses_a_saved_index_only_for_the_same_encoding(two_corpora, toke
     old, new, vectors = two_corpora
     calls = []
 
-    def fake_encode(store, encoder):  # counts encodings; the vectors are the encoder's "output"
+    def fake_encode(
+        store, encoder, partial=None
+    ):  # counts encodings; the vectors are the encoder's "output"
         calls.append(store.directory)
         return vectors + encoder.params["shift"]
 
@@ -104,3 +106,42 @@ def test_build_reuses_a_saved_index_only_for_the_same_encoding(two_corpora, toke
     build(old, encoder(0.0, max_length=12), cache)  # other settings: encoded
     build(new, encoder(0.0), cache)  # another corpus: encoded
     assert len(calls) == 4
+
+
+def test_a_stopped_encoding_saves_its_windows_and_the_next_resumes_after_them(
+    two_corpora, tokenizer, monkeypatch, tmp_path
+):
+    """`encode_store` with a partial file: a stop after two windows of one passage saves them
+    and raises `Preempted`; the next call encodes only the third and returns what an encoding
+    never stopped returns. A saved file of another window size is not resumed."""
+    old, _, _ = two_corpora
+    encoded = []
+
+    def fake_encode_passages(cfg, params, tokenizer, titles, texts, **kwargs):
+        encoded.extend(titles)  # each passage's vector: its title's number, and the shift
+        return np.array([[float(t[1:]) + params["shift"]] * D for t in titles], np.float32)
+
+    stops = iter([False, False, True])
+    monkeypatch.setattr(retriever.encode, "encode_passages", fake_encode_passages)
+    monkeypatch.setattr(retriever.encode, "encoder_fingerprint", lambda cfg, params: str(params))
+    monkeypatch.setattr(retriever.checkpoints, "should_stop", lambda: next(stops, False))
+    monkeypatch.setattr(retriever, "ENCODE_WINDOW", 1)
+    cfg = type("Cfg", (), {"dtype": "float32"})()
+    encoder = retriever.PassageEncoder(cfg, {"shift": 0.5}, tokenizer, 16, "single")
+    partial = tmp_path / "vectors.partial.npz"
+
+    with pytest.raises(retriever.checkpoints.Preempted, match=rf"2 of 3 .* saved in {partial}"):
+        retriever.encode_store(old, encoder, partial)
+    assert encoded == ["T0", "T1"] and partial.is_file()
+    resumed = retriever.encode_store(old, encoder, partial)
+    assert encoded == ["T0", "T1", "T2"] and not partial.exists()
+    straight = retriever.encode_store(old, encoder)
+    assert resumed.tobytes() == straight.tobytes() and resumed.shape == (3, D)
+
+    stops = iter([False, True])
+    with pytest.raises(retriever.checkpoints.Preempted, match="1 of 3"):
+        retriever.encode_store(old, encoder, partial)
+    monkeypatch.setattr(retriever, "ENCODE_WINDOW", 2)  # other batches: not those rows' vectors
+    encoded.clear()
+    assert retriever.encode_store(old, encoder, partial).tobytes() == straight.tobytes()
+    assert encoded == ["T0", "T1", "T2"]
