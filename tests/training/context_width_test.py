@@ -54,6 +54,7 @@ def _batch(exp, multiple):
     return batch
 
 
+@pytest.mark.slow  # ~44 s
 def test_trimmed_contexts_train_exactly_like_full_width_ones(wide):
     """The batch drops only columns that are padding in every row, and the step's loss and
     gradients with the trimmed contexts equal those with HF's full-width layout."""

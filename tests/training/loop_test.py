@@ -128,6 +128,7 @@ def test_sigterm_resume_is_bitwise_identical(tmp_path):
         np.testing.assert_array_equal(fa[k], fb[k], err_msg=k)
 
 
+@pytest.mark.slow  # ~77 s; the step's math on 8 devices: rag_multidevice_test
 def test_eight_devices_equal_one(tmp_path):
     """The same run on a 1-device and an 8-device mesh ends with the same parameters.
 
@@ -161,6 +162,7 @@ def test_eight_devices_equal_one(tmp_path):
     assert moved > 10  # the steps changed the parameters by far more than the tolerance
 
 
+@pytest.mark.slow  # ~50 s
 def test_fsdp_trains_to_the_replicated_parameters(tmp_path):
     """Parameters and optimizer state split over 8 devices (`train.param_sharding="fsdp"`) end
     at the parameters of the replicated run, and the checkpoint restores into either layout.

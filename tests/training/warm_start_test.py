@@ -295,6 +295,7 @@ def test_the_reader_on_files_leaves_out_examples_whose_answer_is_cut(tmp_path, r
     assert record["examples"] == {"qa": kept} and record["answer_cut"] == {"qa": cut}
 
 
+@pytest.mark.slow  # ~28 s
 def test_reader_dropout_is_drawn_from_the_seed_and_step_when_asked_for(reader_exp):
     """`deterministic=False` with a generator dropout rate: dropout on, the same for the same
     seed; with no rate above 0 (the default job's generator), bitwise the deterministic run."""
