@@ -203,23 +203,17 @@ def _sequence_doc_terms(
     batch, n_docs = doc_scores.shape
     _, length, vocab = seq_logits.shape
     seq_logits = seq_logits.reshape(batch, n_docs, length, vocab)  # -> [B, N, T, V]
-    doc_logprobs = jax.nn.log_softmax(doc_scores, axis=1)  # [B, N]
-
-    # The prior enters at position 1 only. `where` rather than a multiplication by a one-hot keeps
-    # a doc scored -inf (masked out) from turning the other positions into NaN.
-    at_prior = (jnp.arange(length) == prior_at)[None, None, :]  # [1, 1, T]
-    prior = jnp.where(at_prior, doc_logprobs[:, :, None], 0.0)  # -> [B, N, T]
-
+    prior = _prior(doc_scores, length, prior_at)  # -> [B, N, T]
     not_pad = _scored(target, pad_token_id, target_mask)[:, None, :]  # [B, 1, T]
     scored = not_pad & ~(skip_first[:, None, None] & (jnp.arange(length) == 0))  # [B, 1, T]
     if not smoothing:
         token_ll, _ = _token_logprobs(seq_logits, target)  # -> [B, N, T]
-        return _sequence_ll(token_ll, doc_scores, scored, prior_at), None
+        return _sequence_ll(token_ll, prior, scored), None
     seq_logprobs = jax.nn.log_softmax(seq_logits, axis=-1)  # [B, N, T, V]
     token_ll = jnp.take_along_axis(
         seq_logprobs, jnp.broadcast_to(target[:, None, :, None], (batch, n_docs, length, 1)), -1
     )[..., 0]  # -> [B, N, T]
-    ll = jnp.where(scored, token_ll + prior, 0.0).sum(axis=2)
+    ll = _sequence_ll(token_ll, prior, scored)
     # Summing the prior-shifted log-probs over the vocab adds V times the prior; adding it once,
     # scaled, avoids materialising a second [B, N, T, V] array.
     token_smooth = seq_logprobs.sum(axis=-1) + vocab * prior  # [B, N, T]
@@ -227,14 +221,19 @@ def _sequence_doc_terms(
     return ll, smooth
 
 
-def _sequence_ll(token_ll, doc_scores, scored, prior_at: int) -> jax.Array:
-    """[B, N] `log p(z|x) + sum_t log p(y_t|x, z, y_<t)` over the `scored` positions ([B, 1, T]
-    or [B, N, T]) of the targets' log-probs `token_ll` [B, N, T]; the prior enters at position
-    `prior_at` when it is scored."""
-    length = token_ll.shape[-1]
+def _prior(doc_scores, length: int, prior_at: int) -> jax.Array:
+    """[B, N, T] `log p(z|x)` at position `prior_at`, 0 elsewhere. `where` rather than a
+    multiplication by a one-hot keeps a doc scored -inf (masked out) from turning the other
+    positions into NaN."""
     doc_logprobs = jax.nn.log_softmax(doc_scores, axis=1)  # [B, N]
     at_prior = (jnp.arange(length) == prior_at)[None, None, :]  # [1, 1, T]
-    prior = jnp.where(at_prior, doc_logprobs[:, :, None], 0.0)  # -> [B, N, T]
+    return jnp.where(at_prior, doc_logprobs[:, :, None], 0.0)
+
+
+def _sequence_ll(token_ll, prior, scored) -> jax.Array:
+    """[B, N] `log p(z|x) + sum_t log p(y_t|x, z, y_<t)` over the `scored` positions ([B, 1, T]
+    or [B, N, T]) of the targets' log-probs `token_ll` [B, N, T], the prior (`_prior`) with them
+    where its position is scored."""
     return jnp.where(scored, token_ll + prior, 0.0).sum(axis=2)
 
 
@@ -269,7 +268,8 @@ def nll_from_token_logprobs(
         )
     scored = scored.astype(bool)
     if variant == "sequence":
-        ll = _sequence_ll(token_logprobs, doc_scores, scored[:, None, :], prior_at=0)
+        prior = _prior(doc_scores, token_logprobs.shape[-1], prior_at=0)
+        ll = _sequence_ll(token_logprobs, prior, scored[:, None, :])
         return -jax.nn.logsumexp(ll, axis=1)
     if variant == "token":
         return _token_ll(token_logprobs, doc_scores, scored)

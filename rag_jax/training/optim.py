@@ -185,6 +185,9 @@ def make_optimizer(tc: ml_collections.ConfigDict) -> optax.GradientTransformatio
     get exactly zero updates. The masks are functions of the parameter tree, so one optimizer
     serves any tree (the trainer's three towers, a warm start's one or two)."""
     decayed = lambda params: path_labels(params, tc.no_decay, False, True)  # noqa: E731
+    adam = dict(
+        b1=tc.adam_b1, b2=tc.adam_b2, eps=tc.adam_eps, weight_decay=tc.weight_decay, mask=decayed
+    )
     # The retriever towers (the question encoder, and the passage encoder when it trains) may
     # learn more slowly than the generator, and may wait: until the generator reads its contexts,
     # p(z|x,y) ~ p(z|x) and their gradient is mostly noise, which Adam turns into full-size steps
@@ -201,26 +204,10 @@ def make_optimizer(tc: ml_collections.ConfigDict) -> optax.GradientTransformatio
                 f"config.train.optimizer_impl='fused' is AdamW's; config.train.optimizer="
                 f"{tc.optimizer!r} needs optimizer_impl='optax'"
             )
-        fused = functools.partial(
-            fused_adamw,
-            schedule(tc),
-            b1=tc.adam_b1,
-            b2=tc.adam_b2,
-            eps=tc.adam_eps,
-            weight_decay=tc.weight_decay,
-            mask=decayed,
-            max_norm=tc.grad_clip,
-        )
+        fused = functools.partial(fused_adamw, schedule(tc), **adam, max_norm=tc.grad_clip)
         return _by_label(tc, fused(), fused(factor=retriever_scale))
     if tc.optimizer == "adamw":
-        base = optax.adamw(
-            schedule(tc),
-            b1=tc.adam_b1,
-            b2=tc.adam_b2,
-            eps=tc.adam_eps,
-            weight_decay=tc.weight_decay,
-            mask=decayed,
-        )
+        base = optax.adamw(schedule(tc), **adam)
     elif tc.optimizer == "sgd":
         base = optax.sgd(schedule(tc), momentum=tc.adam_b1)
     else:
