@@ -1,6 +1,9 @@
-"""The accelerator check's measurements (`benchmarks/accelerator_check.py` is the command line):
-the joint train step's MFU at the largest batch that fits, and `DeviceIndex` search against the
-memory-bandwidth bound. See the script's docstring for what is measured and the goals.
+"""The accelerator check: train-step MFU, and DeviceIndex search against the bandwidth bound.
+
+`benchmarks/accelerator_check.py` is the command line; this module holds its options, runs its
+two phases in turn, and measures the first: the joint train step's MFU at the largest batch that
+fits. The second phase is `benchmarks.search_check`; the model FLOPs and the devices' peak figures
+are `benchmarks.flops`. See the script's docstring for what is measured and the goals.
 
 Legend: B batch, N docs, S context length, T target length, Q question length, C index rows, D
 vector width.
@@ -21,50 +24,19 @@ import traceback
 import jax
 import jax.numpy as jnp
 import ml_collections
-import ml_dtypes
-import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from rag_jax import rag, sharding
+from benchmarks.flops import device_peaks, train_flops
+from benchmarks.search_check import search_check
+from rag_jax import distributed, rag, sharding
 from rag_jax.models import bart, bert
-from rag_jax.retrieval.device_index import DeviceIndex
 from rag_jax.training.optim import make_optimizer, settings_for
 from rag_jax.training.step import TrainState, make_train_step
 
 N_DOCS, CONTEXT, TARGET, QUESTION = 5, 128, 32, 32
 SHAPES = ("n_docs", "question", "context", "target")  # the step's shape flags
-MFU_GOAL, SEARCH_GOAL, SEARCH_GOAL_MAX_BATCH = 0.40, 0.70, 64
-
-# device: (dense bf16 TFLOP/s, HBM GB/s, source), per chip. Matched against `device_kind` in
-# order (first hit wins), lower-cased.
-PEAKS = {
-    "h200 nvl": (835.0, 4800.0, "NVIDIA H200 NVL datasheet"),
-    "h200": (989.0, 4800.0, "NVIDIA H200 SXM datasheet"),
-    "h100 nvl": (835.0, 3900.0, "NVIDIA H100 NVL datasheet"),
-    "h100 pcie": (756.0, 2000.0, "NVIDIA H100 PCIe datasheet"),
-    "h100": (989.0, 3350.0, "NVIDIA H100 SXM datasheet"),
-    "a100-sxm4-80gb": (312.0, 2039.0, "NVIDIA A100 80GB SXM datasheet"),
-    "a100-pcie-80gb": (312.0, 1935.0, "NVIDIA A100 80GB PCIe datasheet"),
-    "a100": (312.0, 1555.0, "NVIDIA A100 40GB datasheet"),
-    "v6 lite": (918.0, 1638.0, "cloud.google.com/tpu/docs/v6e"),
-    "v6e": (918.0, 1638.0, "cloud.google.com/tpu/docs/v6e"),
-    "v5 lite": (197.0, 819.0, "cloud.google.com/tpu/docs/v5e"),
-    "v5e": (197.0, 819.0, "cloud.google.com/tpu/docs/v5e"),
-    "v5p": (459.0, 2765.0, "cloud.google.com/tpu/docs/v5p"),
-    "tpu v5": (459.0, 2765.0, "cloud.google.com/tpu/docs/v5p"),
-    "tpu v4": (275.0, 1200.0, "cloud.google.com/tpu/docs/v4"),
-}
-
-
-def device_peaks(kind: str, tflops: float | None = None, gbps: float | None = None) -> dict:
-    """Peak bf16 FLOP/s and HBM bandwidth of one device of `kind`, overrides first."""
-    known = next((v for k, v in PEAKS.items() if k in kind.lower()), None)
-    source = "command line" if tflops or gbps else None
-    if known:
-        tflops, gbps = tflops or known[0], gbps or known[1]
-        source = known[2] if source is None else f"{source}, else {known[2]}"
-    return {"tflops": tflops, "gbps": gbps, "source": source}
+MFU_GOAL = 0.40
 
 
 def is_oom(error: BaseException) -> bool:
@@ -77,58 +49,6 @@ class SimulatedOOM(RuntimeError):
 
     def __str__(self):
         return "RESOURCE_EXHAUSTED (estimated): " + super().__str__()
-
-
-# ---------------------------------------------------------------------------------------------
-# Model FLOPs
-
-
-def train_flops(q: bert.BertConfig, g: bart.BartConfig, batch: int, *, n_docs=N_DOCS,
-                question=QUESTION, context=CONTEXT, target=TARGET) -> dict:  # fmt: skip
-    """Matmul FLOPs of one RAG training step, forward and backward (= 2x forward).
-
-    Counts every matmul the step performs on the model's behalf, at 2 FLOPs per multiply-add:
-    projections, feed-forward layers, attention scores and mixing (full, unmasked squares, as
-    computed), BART's cross-attention keys/values of the encoder output (once per decoder layer),
-    the tied output projection onto the vocabulary, and the doc scores q . d. Embedding lookups,
-    norms, softmax, dropout and the optimizer are not model FLOPs.
-
-    Returns:
-      {"question_encoder", "generator", "doc_scores", "forward", "train"}: FLOPs; and
-      "recompute": the forward FLOPs of the transformer layers, which rematerialisation
-      (`remat=True` in the model configs) executes a second time in the backward pass (all but
-      the pooler/projection and the vocabulary projection, which sit outside the layers).
-    """
-    h, f = q.hidden_size, q.intermediate_size
-    tokens = batch * question
-    per_token = 2 * (4 * h * h + 2 * h * f) + 2 * 2 * question * h
-    question_fwd = tokens * q.num_hidden_layers * per_token
-    if q.projection_dim:
-        question_fwd += 2 * batch * h * q.projection_dim
-    if q.with_pooler:
-        question_fwd += 2 * batch * h * h
-
-    d, fg, v = g.d_model, g.encoder_ffn_dim, g.vocab_size
-    rows = batch * n_docs
-    enc = rows * context * g.encoder_layers * (2 * (4 * d * d + 2 * d * fg) + 4 * context * d)
-    dec_token = 2 * (4 * d * d + 2 * d * g.decoder_ffn_dim) + 4 * target * d  # self-attention
-    dec_token += 2 * 2 * d * d + 4 * context * d  # cross-attention: q, out; scores, mixing
-    dec = rows * target * g.decoder_layers * dec_token
-    cross_kv = rows * context * g.decoder_layers * 2 * 2 * d * d
-    lm_head = 2 * rows * target * d * v
-    generator_fwd = enc + dec + cross_kv + lm_head
-
-    scores = 2 * rows * q.embedding_dim
-    forward = question_fwd + generator_fwd + scores
-    question_layers = tokens * q.num_hidden_layers * per_token
-    return {
-        "question_encoder": 3 * question_fwd,
-        "generator": 3 * generator_fwd,
-        "doc_scores": 3 * scores,
-        "forward": forward,
-        "train": 3 * forward,
-        "recompute": question_layers * q.remat + (enc + dec + cross_kv) * g.remat,
-    }
 
 
 def xla_flops(compiled) -> float | None:
@@ -449,118 +369,6 @@ def _short(row: dict) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------
-# Index search
-
-
-def device_index(vectors: jax.Array, count: int, mesh) -> DeviceIndex:
-    """A DeviceIndex over vectors already on the devices ([C', D], sharded over `data`).
-
-    The constructor takes host arrays; building from a template index of the same mesh and
-    swapping its one pytree leaf keeps 10M+ vectors off the host. `count` masks the padding.
-    """
-    template = DeviceIndex(
-        np.zeros((mesh.size, vectors.shape[1]), ml_dtypes.bfloat16), mesh, sharding.DATA_AXIS
-    )
-    ix = jax.tree.unflatten(jax.tree.structure(template), [vectors])
-    ix.count = count
-    return ix
-
-
-@functools.cache
-def _reference_search_fn(mesh, k: int, count: int, approx: bool):
-    """bf16 x bf16 matmul with f32 accumulation, per-shard top-k, global merge."""
-    axis = sharding.DATA_AXIS
-
-    def per_shard(shard, queries):
-        scores = jnp.einsum(
-            "bd,cd->bc", queries.astype(shard.dtype), shard, preferred_element_type=jnp.float32
-        )  # -> [B, C' / n]
-        start = jax.lax.axis_index(axis) * shard.shape[0]
-        ids = start + jnp.arange(shard.shape[0], dtype=jnp.int32)
-        scores = jnp.where(ids < count, scores, -jnp.inf)
-        top = jax.lax.approx_max_k if approx else jax.lax.top_k
-        scores, pos = top(scores, k)
-        gather = lambda x: jax.lax.all_gather(x, axis, axis=1, tiled=True)
-        scores, ids = gather(scores), gather(start + pos)
-        scores, pos = jax.lax.top_k(scores, k)
-        return scores, jnp.take_along_axis(ids, pos, axis=1)
-
-    specs = dict(in_specs=(P(axis, None), P()), out_specs=(P(), P()), check_vma=False)
-    return jax.jit(jax.shard_map(per_shard, mesh=mesh, **specs))
-
-
-def _timed(fn, warmup: int, repeats: int) -> float:
-    for _ in range(warmup):
-        jax.block_until_ready(fn())
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
-def search_check(args, mesh, peaks: dict, report) -> dict:
-    n, dim, count, k = mesh.size, args.dim, args.index_size, args.k
-    padded = -(-count // n) * n
-    vector_bytes = padded * dim * 2
-    out = {"count": count, "dim": dim, "dtype": "bfloat16", "k": k, "vector_bytes": vector_bytes,
-           "rows": []}  # fmt: skip
-    report(out)
-    print(f"search: generating {count} x {dim} bfloat16 vectors on {n} device(s)", flush=True)
-    make = jax.jit(
-        lambda key: jax.random.normal(key, (padded, dim), jnp.bfloat16),
-        out_shardings=NamedSharding(mesh, P(sharding.DATA_AXIS, None)),
-    )
-    vectors = jax.block_until_ready(make(jax.random.key(7)))
-    ix = device_index(vectors, count, mesh)
-    approx = ix.recall_target is not None
-    reference = _reference_search_fn(mesh, k, count, approx)
-    replicated = NamedSharding(mesh, P())
-    for batch in args.search_batches:
-        queries = jax.device_put(
-            jax.random.normal(jax.random.key(batch), (batch, dim), jnp.float32), replicated
-        )
-        scores, ids = ix.search(queries, k)
-        ref_scores, ref_ids = reference(vectors, queries)
-        row = {"batch": batch}
-        row["index_s"] = _timed(lambda q=queries: ix.search(q, k), args.warmup, args.repeats)
-        row["reference_s"] = _timed(lambda q=queries: reference(vectors, q), args.warmup,
-                                    args.repeats)  # fmt: skip
-        row["index_qps"] = batch / row["index_s"]
-        row["reference_qps"] = batch / row["reference_s"]
-        ids, ref_ids = np.asarray(ids), np.asarray(ref_ids)
-        row["ids_agree_with_reference"] = float(
-            np.mean([len(set(a) & set(b)) / k for a, b in zip(ids, ref_ids)])
-        )
-        if args.verify_exact:  # small indexes: against numpy brute force on the fetched vectors
-            host = np.asarray(jax.device_get(vectors)[:count], np.float32)
-            exact = np.asarray(queries) @ host.T
-            want = np.sort(exact, axis=1)[:, ::-1][:, :k]
-            row["index_scores_max_error"] = float(np.max(np.abs(np.asarray(scores) - want)))
-            row["index_ids_exact"] = bool(
-                np.all(np.take_along_axis(exact, ids, axis=1) >= want[:, -1:] - 1e-4)
-            )
-        if peaks["gbps"]:
-            bound_s = vector_bytes / (peaks["gbps"] * 1e9 * n)
-            row["bound_s"] = bound_s
-            row["bound_qps"] = batch / bound_s
-            row["index_fraction_of_bound"] = bound_s / row["index_s"]
-            row["reference_fraction_of_bound"] = bound_s / row["reference_s"]
-        out["rows"].append(row)
-        print(f"search: {json.dumps(_short(row))}", flush=True)
-        report(out)
-    in_goal = [r for r in out["rows"] if r["batch"] <= SEARCH_GOAL_MAX_BATCH]
-    if peaks["gbps"] and in_goal:
-        best = max(in_goal, key=lambda r: r["index_fraction_of_bound"])
-        out.update(best_fraction_of_bound=best["index_fraction_of_bound"],
-                   best_batch=best["batch"], goal=SEARCH_GOAL,
-                   meets_goal=best["index_fraction_of_bound"] >= SEARCH_GOAL)  # fmt: skip
-    report(out)
-    return out
-
-
-# ---------------------------------------------------------------------------------------------
 # Main
 
 
@@ -620,7 +428,7 @@ def main(argv=None) -> int:
         os.environ["XLA_FLAGS"] = (
             os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
         ).strip()
-    sharding.maybe_initialize_distributed()
+    distributed.maybe_initialize_distributed()
     mesh = sharding.data_mesh(jax.local_devices())
     device = mesh.devices.flat[0]
     peaks = device_peaks(device.device_kind, args.peak_tflops, args.peak_gbps)

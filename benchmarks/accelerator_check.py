@@ -26,11 +26,12 @@ it measured), with the device, its peak figures and where they come from:
 
 `--question`, `--context`, `--target` and `--n-docs` change the step's shapes (the defaults are
 the ones above; `experiments/configs/nq.py` trains with question 64 and context 300).
-Peak figures come from `PEAKS` by device kind (vendor datasheets); `--peak-tflops` and
-`--peak-gbps` override them (per device), and without either MFU and bound fractions are null.
+Peak figures come from `benchmarks.flops.PEAKS` by device kind (vendor datasheets);
+`--peak-tflops` and `--peak-gbps` override them (per device), and without either MFU and bound
+fractions are null.
 `--smoke` runs tiny models and 20k vectors so the whole script runs on a CPU in under a minute.
 Exit status 0 when every phase ran (goals met or not), 1 when one failed. The measurements live in
-`benchmarks/accelerator.py`.
+`benchmarks/accelerator.py` (options, train step) and `benchmarks/search_check.py` (search).
 """
 
 import os

@@ -1,12 +1,12 @@
 """Ahead-of-time compilation of the trainer's programs for a Cloud TPU topology, on a CPU host.
 
 With `libtpu` installed (`pip install 'rag_jax[tpu]'`), `jax.experimental.topologies` describes
-the devices of a TPU slice that is not there; a `Mesh` over them lowers and compiles the real
-programs, and the compiled executables report XLA's own memory and cost analyses. Nothing runs:
-the parameters, the index and the batches are shapes (`jax.ShapeDtypeStruct`), placed as the
-trainer places them.
+the devices of a TPU slice that is not there (`benchmarks.tpu_topology`); a `Mesh` over them
+lowers and compiles the real programs, and the compiled executables report XLA's own memory and
+cost analyses. Nothing runs: the parameters, the index and the batches are shapes
+(`jax.ShapeDtypeStruct`), placed as the trainer places them.
 
-The programs are the trainer's own: the models of `experiment.model_shapes` (the config's
+The programs are the trainer's own: the models of `model_setup.model_shapes` (the config's
 architectures, dtypes, remat), the optimizer of `training.optim.make_optimizer` (its freeze mask
 included), the state placement of `training.loop.state_sharding` (`train.param_sharding`), the
 step of `training.loop.make_step_fn` with the widest batch `training.batcher.batch_shapes`, and,
@@ -17,8 +17,8 @@ call (`evaluation.generate_fn`). For each program the report gives, per chip:
 - memory: the arguments (parameters, optimizer state, index shard, batch, the rest), outputs
   that do not reuse a donated buffer, temporaries and code, summing to the total; against the
   HBM the TPU compiler has (probed: it refuses a larger program and names its capacity);
-- FLOPs: XLA's count against the analytic count of `benchmarks.accelerator.train_flops`, or of
-  `causal_train_flops` for a causal (Llama) generator (rematerialised layers and the in-step
+- FLOPs: XLA's count against the analytic count of `benchmarks.flops` (`train_flops`, or
+  `causal_train_flops` for a causal (Llama) generator; rematerialised layers and the in-step
   search added, loop bodies counted once as XLA does), and the matmul FLOPs of the compiled
   program itself with every loop iteration (`benchmarks.hlo`);
 - bytes: XLA's "bytes accessed", the HBM traffic of the compiled program at fusion boundaries
@@ -26,22 +26,20 @@ call (`evaluation.generate_fn`). For each program the report gives, per chip:
   and written, optimizer state read and written, gradients written and read, the activations the
   backward pass reads (the residuals of `jax.vjp`), the batch and the index shard;
 - a roofline step time, max(FLOPs / peak, HBM bytes / bandwidth) with the `PEAKS` of
-  `benchmarks.accelerator`, and the model-FLOPs utilisation it caps;
+  `benchmarks.flops`, and the model-FLOPs utilisation it caps;
 - the collectives (the gradient all-reduce, or the fsdp reduce-scatter and all-gathers) and any
   host transfer in the program;
 - the largest global batch that fits, from a linear model of memory in the batch fitted to two
-  compiles and verified by compiling it and the next multiple of the chip count.
+  compiles and verified by compiling it and the next multiple of the chip count, and for a
+  program that does not fit, what would (`benchmarks.hbm_fit`).
 
 Legend: B global batch, b per chip, N docs, S context length, T target length, Q question
 length, C index rows, D vector width, n chips, P parameters.
 """
 
 import dataclasses
-import functools
 import gzip
-import importlib.util
 import math
-import os
 import pathlib
 import re
 import time
@@ -51,146 +49,19 @@ import jax.numpy as jnp
 import ml_collections
 
 from benchmarks import hlo
-from benchmarks.accelerator import device_peaks, train_flops
-from rag_jax import evaluation, experiment, settings, sharding
-from rag_jax.models import flash, llama
-from rag_jax.retrieval import index as index_files
+from benchmarks.flops import step_flops
+from benchmarks.hbm_fit import advice, largest_batch, needed_bytes
+from benchmarks.tpu_topology import PlanError, Target, out_of_memory, target
+from rag_jax import device_memory, evaluation, model_setup, sharding, synthetic, validation
+from rag_jax.models import flash
+from rag_jax.retrieval import index_format
 from rag_jax.retrieval.device_index import DeviceIndex
 from rag_jax.training import loop
 from rag_jax.training.batcher import batch_shapes
 from rag_jax.training.optim import make_optimizer
 from rag_jax.training.step import joint_loss_fn
 
-# TPU generations this tool plans for (the keys of `benchmarks.accelerator.PEAKS` name their
-# peaks), with what the topology description needs: v4 and v5p chips are one JAX device of two
-# TensorCores ("megacore"), as Cloud TPU VMs present them.
-GENERATIONS = {
-    "v4": {"chip_config_name": "megacore"},
-    "v5p": {"chip_config_name": "megacore"},
-    "v5e": {},
-    "v6e": {},
-}
-# Slices that are one VM of 8 chips (v5litepod-8, v6e-8); larger v5e/v6e slices have 4 per host.
-SINGLE_HOST_8 = {"v5e:2x4", "v6e:2x4"}
-EXAMPLES = "v4:2x2x1, v5e:2x4, v5p:2x2x1, v6e:2x4, v5e:4x4, v4:2x2x4"
-
-
-# The parameters the evaluation's generation reads (`evaluation.generate_fn`).
 GENERATION_PARAMS = ("question_encoder", "generator")
-
-
-class PlanError(ValueError):
-    """Input the tool cannot plan for; the message says what to do (one line)."""
-
-
-# ---------------------------------------------------------------------------------------------
-# The topology
-
-
-@dataclasses.dataclass(frozen=True)
-class Target:
-    name: str  # e.g. "v5e:2x4"
-    mesh: jax.sharding.Mesh  # the `data` mesh over every chip
-    kind: str  # device_kind, e.g. "TPU v5 lite"
-    hosts: int
-    hbm_bytes: int  # what the TPU compiler lets one program use per chip
-    peaks: dict  # benchmarks.accelerator.device_peaks
-
-    @property
-    def chips(self) -> int:
-        return self.mesh.size
-
-    def describe(self) -> dict:
-        return {
-            "topology": self.name,
-            "kind": self.kind,
-            "chips": self.chips,
-            "hosts": self.hosts,
-            "hbm_bytes_per_chip": self.hbm_bytes,
-            "peak_bf16_tflops_per_chip": self.peaks["tflops"],
-            "peak_hbm_gbps_per_chip": self.peaks["gbps"],
-            "peak_source": self.peaks["source"],
-        }
-
-
-def has_libtpu() -> bool:
-    """Whether the TPU compiler (`libtpu`, brought by `jax[tpu]`) is installed."""
-    return importlib.util.find_spec("libtpu") is not None
-
-
-def target(name: str) -> Target:
-    """The devices of TPU topology `name` (e.g. "v5e:2x4") as a `data` mesh."""
-    generation = name.partition(":")[0].lower()
-    if generation not in GENERATIONS or not re.fullmatch(r"[a-z0-9]+:\d+(x\d+){1,2}", name):
-        raise PlanError(
-            f"unknown TPU topology {name!r}: give <generation>:<chips per axis>, generation one "
-            f"of {', '.join(GENERATIONS)}, e.g. {EXAMPLES}"
-        )
-    if not has_libtpu():
-        raise PlanError(
-            "libtpu is not installed, so there is no TPU compiler: pip install 'rag_jax[tpu]' "
-            f"(jax[tpu]=={jax.__version__}), best in a virtualenv of its own"
-        )
-    # Compiling needs no TPU, so several compiling processes may share libtpu (which otherwise
-    # takes a lock for the process that owns the chips).
-    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-    from jax.experimental import topologies
-
-    options = dict(GENERATIONS[generation])
-    if name in SINGLE_HOST_8:
-        options["chips_per_host_bounds"] = (2, 4, 1)
-    try:
-        topology = topologies.get_topology_desc(topology_name=name, platform="tpu", **options)
-    except Exception as e:  # noqa: BLE001 - libtpu's own message, on one line
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise PlanError(f"libtpu refused TPU topology {name!r} ({first}); try {EXAMPLES}") from None
-    devices = list(topology.devices)
-    mesh = sharding.data_mesh(devices)
-    kind = devices[0].device_kind
-    return Target(
-        name=name,
-        mesh=mesh,
-        kind=kind,
-        hosts=len({d.process_index for d in devices}),
-        hbm_bytes=usable_hbm(mesh),
-        peaks=device_peaks(kind),
-    )
-
-
-_CAPACITY = re.compile(r"(?:available HBM|of) \(?([0-9.]+)([KMGT])\)?(?: hbm)?")
-_NEEDED = [
-    re.compile(r"Used ([0-9.]+)([KMGT]) of ([0-9.]+)([KMGT]) hbm"),
-    re.compile(r"\(([0-9.]+)([KMGT])\) exceeds available HBM \(([0-9.]+)([KMGT])\)"),
-]
-_UNIT = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
-
-
-def out_of_memory(error: BaseException) -> tuple[int, int] | None:
-    """(bytes needed, bytes available) from the TPU compiler's out-of-memory error, else None."""
-    text = str(error)
-    if "RESOURCE_EXHAUSTED" not in text and "memory" not in text.lower():
-        return None
-    for pattern in _NEEDED:
-        found = pattern.search(text)
-        if found:
-            need, unit, have, have_unit = found.groups()
-            return int(float(need) * _UNIT[unit]), int(float(have) * _UNIT[have_unit])
-    return None
-
-
-@functools.cache
-def usable_hbm(mesh) -> int:
-    """The HBM one program may use per chip, as the TPU compiler sees it: a program too large for
-    any chip is compiled, and the refusal names the capacity."""
-    huge = jax.ShapeDtypeStruct((2**40,), jnp.int8, sharding=sharding.replicated(mesh))
-    try:
-        jax.jit(lambda x: x + 1).lower(huge).compile()
-    except Exception as e:  # noqa: BLE001 - the expected refusal
-        found = out_of_memory(e)
-        if found:
-            return found[1]
-        raise RuntimeError(f"the TPU compiler's refusal did not name its HBM: {e}") from e
-    raise RuntimeError("the TPU compiler accepted a program of 1 TiB per chip")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -216,8 +87,8 @@ class Plan:
 def plan(config: ml_collections.ConfigDict) -> Plan:
     """The models, optimizer and index size of `config`, without weights or data."""
     try:
-        settings.validate(config, 1, paths=False)
-        rag_cfg, passage_cfg, params, sources = experiment.model_shapes(config)
+        validation.validate(config, 1, paths=False)
+        rag_cfg, passage_cfg, params, sources = model_setup.model_shapes(config)
     except ValueError as e:  # a setting or a checkpoint at fault: the message names it
         raise PlanError(str(e)) from None
     return Plan(
@@ -234,8 +105,8 @@ def plan(config: ml_collections.ConfigDict) -> Plan:
 def _index_size(config, dim: int) -> dict:
     r = config.retrieval
     folder = pathlib.Path(r.index_dir) / "index" if r.index_dir else None
-    if folder is not None and (folder / index_files.MANIFEST).is_file():
-        manifest = index_files.read_manifest(str(folder), None, kinds=("exact", "scann"))
+    if folder is not None and (folder / index_format.MANIFEST).is_file():
+        manifest = index_format.read_manifest(str(folder), None, kinds=("exact", "scann"))
         return {
             "rows": manifest["count"],
             "dim": manifest["dim"],
@@ -250,7 +121,7 @@ def _index_size(config, dim: int) -> dict:
             "source": "config.retrieval.index_rows, index_dtype",
         }
     if config.data.source == "synthetic":
-        rows = len(experiment._world(config).passages)
+        rows = len(synthetic.world_of(config).passages)
         return {
             "rows": rows,
             "dim": dim,
@@ -261,106 +132,6 @@ def _index_size(config, dim: int) -> dict:
         "the index is not on this machine: set config.retrieval.index_rows (and index_dtype) to "
         "the size it will have, or config.retrieval.index_dir to its folder"
     )
-
-
-# ---------------------------------------------------------------------------------------------
-# Model FLOPs
-
-
-def causal_train_flops(q, g: llama.LlamaConfig, batch: int, *, n_docs: int, question: int,
-                       context: int, target: int, frozen: str = "") -> dict:  # fmt: skip
-    """Matmul FLOPs of one RAG training step whose generator is causal (`rag_jax.causal`), at 2
-    FLOPs per multiply-add, with the keys of `benchmarks.accelerator.train_flops`.
-
-    The question encoder and the doc scores are counted as `train_flops` counts them (backward =
-    2x forward). The generator reads B * N rows of the S prompt tokens followed by the T answer
-    tokens, L = S + T per row, in one causal pass: per layer and token the q and o projections
-    (h heads of width d), k and v (the g key/value heads), SwiGLU's gate, up and down matrices,
-    and attention's scores and mixing over the whole row (full L x L squares, as computed); the
-    LM head (tied or not: the same product) on the T answer positions only. Embedding lookups,
-    norms, rotary tables, softmax and the optimizer are not model FLOPs.
-
-    Backward, as autodiff runs it with the trainer's frozen parameters (`frozen`, the regex of
-    `train.freeze`, entering the loss as constants) and `frozen_layers` (no gradient below the
-    top `generator_trained_layers`): a layer whose parameters train costs 2x its forward (input
-    and weight gradients); a frozen layer the gradient must cross to reach a trainable one below
-    it, its projections once (input gradients) and its attention products twice; a frozen layer
-    with nothing trainable below it, nothing. The head: its weight gradient if its matrix trains
-    (the embedding when tied), its input gradient if anything below it trains. With remat, every
-    layer the backward pass enters runs its forward a second time ("recompute"), all but the down
-    projection (its output only joins the residual stream, which the backward pass never reads).
-
-    Returns:
-      {"question_encoder", "generator", "doc_scores", "train", "recompute"} FLOPs (forward and
-      backward), "forward" (forward only); "generator_forward" and "generator_backward".
-    """
-    rows, length = batch * n_docs, context + target
-    hidden, width = g.hidden_size, g.head_width
-    heads, kv_heads, ffn = g.num_attention_heads, g.num_key_value_heads, g.intermediate_size
-    projections = 2 * hidden * width * (2 * heads + 2 * kv_heads) + 3 * 2 * hidden * ffn
-    projections *= rows * length  # q, o; k, v; gate, up, down: per layer
-    products = rows * 2 * 2 * heads * length * length * width  # scores and mixing, per layer
-    layer_fwd = projections + products
-    # Remat recomputes what the backward pass reads: all but the down projection, whose output
-    # only joins the residual stream (pre-norm layers).
-    layer_recompute = layer_fwd - rows * length * 2 * hidden * ffn
-    head_fwd = 2 * rows * target * hidden * g.vocab_size
-
-    def trains(path: str) -> bool:
-        return not (frozen and re.search(frozen, f"generator/{path}"))
-
-    paths = ["/".join(k.key for k in path) for path, _ in
-             jax.tree_util.tree_leaves_with_path(llama.param_shapes(g))]  # fmt: skip
-    bottom = g.frozen_layers  # stop_gradient above layer bottom - 1: nothing below gets one
-    layer_trains = [
-        i >= bottom and any(trains(p) for p in paths if p.startswith(f"layers_{i}/"))
-        for i in range(g.num_hidden_layers)
-    ]
-    embedding = trains("embed_tokens/embedding")
-    below = bottom == 0 and embedding  # a gradient is needed below the current layer
-    backward, recompute = 0, 0
-    for i in range(g.num_hidden_layers):
-        if layer_trains[i]:
-            backward += 2 * layer_fwd
-        elif below:
-            backward += projections + 2 * products
-        if layer_trains[i] or below:
-            recompute += layer_recompute * g.remat
-        below = below or layer_trains[i]
-    head_weight = embedding if g.tie_word_embeddings else trains("lm_head/kernel")
-    head_input = below or trains("norm/scale")
-    backward += head_fwd * (head_weight + head_input)
-    generator_fwd = g.num_hidden_layers * layer_fwd + head_fwd
-
-    h, f = q.hidden_size, q.intermediate_size
-    tokens = batch * question
-    per_token = 2 * (4 * h * h + 2 * h * f) + 2 * 2 * question * h
-    question_layers = tokens * q.num_hidden_layers * per_token
-    question_fwd = question_layers
-    if q.projection_dim:
-        question_fwd += 2 * batch * h * q.projection_dim
-    if q.with_pooler:
-        question_fwd += 2 * batch * h * h
-    scores = 2 * rows * q.embedding_dim
-    out = {
-        "question_encoder": 3 * question_fwd,
-        "generator": generator_fwd + backward,
-        "doc_scores": 3 * scores,
-        "forward": question_fwd + generator_fwd + scores,
-        "generator_forward": generator_fwd,
-        "generator_backward": backward,
-        "recompute": question_layers * q.remat + recompute,
-    }
-    out["train"] = out["question_encoder"] + out["generator"] + out["doc_scores"]
-    return out
-
-
-def step_flops(q, g, batch: int, *, frozen: str = "", **shapes) -> dict:
-    """The analytic FLOPs of one training step: `causal_train_flops` for a causal generator,
-    else `benchmarks.accelerator.train_flops` (BART)."""
-    if isinstance(g, llama.LlamaConfig):
-        return causal_train_flops(q, g, batch, frozen=frozen, **shapes)
-    return train_flops(q, g, batch, **shapes)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -440,7 +211,7 @@ def _residual_bytes(p: Plan, config, per_chip: int) -> float:
             return jax.vjp(lambda q: loss_fn(q, arrays, rng)[0], params)[1]
 
         saved = jax.eval_shape(vjp, p.params, batch_shapes(config, p.rag_cfg, batch))
-        return sharding.tree_bytes(saved)
+        return device_memory.tree_bytes(saved)
 
     return per_chip * (residuals(2) - residuals(1))
 
@@ -461,7 +232,7 @@ def train_row(p: Plan, t: Target, batch: int, in_step: bool, *, detail: bool = T
         device_index = DeviceIndex.abstract(ix["rows"], ix["dim"], jnp.dtype(ix["dtype"]), mesh)
         questions = {k: v for k, v in arrays.items() if k.startswith("question_")}
         retrieval = (device_index, questions)
-        shard = sharding.per_device_bytes(device_index.vectors)
+        shard = device_memory.per_device_bytes(device_index.vectors)
     row = {
         "program": "train",
         "batch": batch,
@@ -470,10 +241,10 @@ def train_row(p: Plan, t: Target, batch: int, in_step: bool, *, detail: bool = T
         "remat": config.model.remat,
         "param_sharding": config.train.param_sharding,
         "arguments": {  # per chip, known before compiling
-            "parameters": sharding.per_device_bytes(state.params),
-            "optimizer state": sharding.per_device_bytes(state.opt_state),
+            "parameters": device_memory.per_device_bytes(state.params),
+            "optimizer state": device_memory.per_device_bytes(state.opt_state),
             "index shard": shard,
-            "batch": sharding.per_device_bytes((arrays, retrieval[1] if in_step else None)),
+            "batch": device_memory.per_device_bytes((arrays, retrieval[1] if in_step else None)),
         },
         "parameters_by_tower": _by_tower(state.params),
     }
@@ -482,7 +253,7 @@ def train_row(p: Plan, t: Target, batch: int, in_step: bool, *, detail: bool = T
     row.update(result)
     if compiled is None:
         return row
-    memory = sharding.compiled_memory(compiled, row["arguments"], rest="other arguments")
+    memory = device_memory.compiled_memory(compiled, row["arguments"], rest="other arguments")
     row.update(memory=memory, fits=memory["total"] <= t.hbm_bytes)
     if not detail:
         return row
@@ -496,7 +267,7 @@ def _by_tower(params: dict) -> dict:
     return {
         k: {
             "count": sum(math.prod(x.shape) for x in jax.tree.leaves(v)),
-            "bytes_per_chip": sharding.per_device_bytes(v),
+            "bytes_per_chip": device_memory.per_device_bytes(v),
         }
         for k, v in params.items()
     }
@@ -572,7 +343,7 @@ def _train_costs(p: Plan, t: Target, config, compiled_text, row, state, in_step)
     # the residuals of `jax.vjp` (the activations the backward pass reads).
     lower = {
         "parameters read": params,
-        "parameters written": params * trainable / max(sharding.tree_bytes(state.params), 1),
+        "parameters written": params * trainable / max(device_memory.tree_bytes(state.params), 1),
         "optimizer state read and written": 2 * opt,
         "gradients written and read (as summed)": 2 * sync,
         "gathered parameters written and read (fsdp)": 2 * collectives.get("all-gather", 0.0),
@@ -639,8 +410,8 @@ def generate_row(p: Plan, t: Target, batch: int, variant: str, num_beams: int,
         "remat": config.model.remat,
         "param_sharding": config.train.param_sharding,
         "arguments": {
-            "parameters": sharding.per_device_bytes(params),
-            "batch": sharding.per_device_bytes(inputs),
+            "parameters": device_memory.per_device_bytes(params),
+            "batch": device_memory.per_device_bytes(inputs),
         },
         "parameters_by_tower": _by_tower(params),
     }
@@ -649,7 +420,7 @@ def generate_row(p: Plan, t: Target, batch: int, variant: str, num_beams: int,
     row.update(result)
     if compiled is None:
         return row
-    memory = sharding.compiled_memory(compiled, row["arguments"], rest="other arguments")
+    memory = device_memory.compiled_memory(compiled, row["arguments"], rest="other arguments")
     traffic = hlo.traffic(_hlo(compiled, t, row, hlo_dir)[1])
     row.update(
         memory=memory,
@@ -660,115 +431,6 @@ def generate_row(p: Plan, t: Target, batch: int, variant: str, num_beams: int,
         host_transfers=traffic.host_transfers,
     )
     return row
-
-
-# ---------------------------------------------------------------------------------------------
-# The largest batch
-
-
-def _needed(row: dict) -> int | None:
-    return row["memory"]["total"] if "memory" in row else row.get("needed_bytes")
-
-
-def largest_batch(measure, chips: int, hbm: int, probes: tuple[int, int], max_tries: int = 4):
-    """The largest global batch (a multiple of `chips`) whose program fits in `hbm` per chip.
-
-    Memory is close to linear in the batch: the two measured batches nearest the limit give
-    fixed + per-example bytes, which predict the largest batch; it is compiled, and so is the
-    next multiple of `chips`, until a batch that fits sits next to one that does not (at most
-    `max_tries` compiles after the `probes`; `proved` says whether that was reached).
-
-    Args:
-      measure: `measure(batch) -> row` (`train_row` / `generate_row`); a row has "fits" and the
-        memory needed ("memory"["total"], or "needed_bytes" when the compiler refused it).
-
-    Returns:
-      {"batch", "per_chip", "proved", "bytes_per_example", "fixed_bytes", "rows"}, "batch" None
-      when not even `chips` examples fit.
-    """
-    rows = {b: measure(b) for b in sorted(set(probes))}
-    model = {}
-
-    def bounds():
-        fit = [b for b, r in rows.items() if r["fits"]]
-        lo = max(fit, default=0)
-        return lo, min((b for b, r in rows.items() if not r["fits"] and b > lo), default=None)
-
-    def predict():
-        points = sorted((b, _needed(r)) for b, r in rows.items() if _needed(r))
-        under = [pt for pt in points if pt[1] <= hbm]
-        over = [pt for pt in points if pt[1] > hbm]
-        pair = (under[-1], over[0]) if under and over else tuple(points[-2:])
-        if len(pair) < 2 or pair[1][0] == pair[0][0]:
-            return None
-        (b1, m1), (b2, m2) = pair
-        slope = (m2 - m1) / (b2 - b1)  # bytes per chip per global example
-        if slope <= 0:
-            return None
-        model.update(bytes_per_example=slope * chips, fixed_bytes=m1 - slope * b1)
-        return int((hbm - m1) / slope + b1) // chips * chips
-
-    for _ in range(max_tries):
-        lo, hi = bounds()
-        if hi is not None and hi - lo <= chips:
-            break
-        guess = predict()
-        if guess is None or guess <= lo:
-            guess = lo + chips if hi is not None or guess is not None else max(2 * lo, chips)
-        if hi is not None and guess >= hi:
-            guess = hi - chips
-        if guess in rows:
-            break
-        rows[guess] = measure(guess)
-    lo, hi = bounds()
-    return {"batch": lo or None, "per_chip": (lo // chips) if lo else None,
-            "proved": hi is not None and hi - lo <= chips, **model,
-            "rows": [_brief(rows[b]) for b in sorted(rows)]}  # fmt: skip
-
-
-def _brief(row: dict) -> dict:
-    return {
-        "batch": row["batch"],
-        "fits": row["fits"],
-        "needed_bytes": _needed(row),
-        "compile_s": round(row["compile_s"], 1),
-    }
-
-
-# ---------------------------------------------------------------------------------------------
-# Advice for a program that does not fit
-
-
-def advice(row: dict, t: Target, others: list[dict]) -> dict:
-    """For a program that does not fit: which part is over, by how much, and what would fit
-    (another setting, a smaller batch, more chips), from this row and `others` (the same program
-    compiled in other settings)."""
-    need, hbm, args = _needed(row), t.hbm_bytes, row["arguments"]
-    parts = {k: v for k, v in row.get("memory", args).items() if k != "total"}
-    fixed = sum(v for k, v in args.items() if k != "batch")  # independent of the batch
-    out = {"needed_bytes": need, "hbm_bytes": hbm, "over_by_bytes": need - hbm,
-           "largest_part": max(parts, key=parts.get), "batch_independent_bytes": fixed,
-           "fits_with": []}  # fmt: skip
-    keys = ("remat", "param_sharding", "index")
-    for other in [*others, row]:
-        changed = {k: other[k] for k in keys if k in other and other[k] != row.get(k)}
-        if other.get("fits") and other is not row:
-            out["fits_with"].append({**changed, "batch": other["batch"]})
-        if (other.get("largest") or {}).get("batch"):
-            out["fits_with"].append({**changed, "batch": other["largest"]["batch"]})
-    if fixed >= hbm:  # no batch fits: what does not shrink with the batch must split
-        split = args.get("index shard", 0)
-        if row.get("param_sharding") == "fsdp":
-            split += args["parameters"] + args.get("optimizer state", 0)
-        room = hbm - (fixed - split)  # the rest of the fixed parts stay whole on every chip
-        if room > 0 and split:
-            out["chips_needed_at_least"] = math.ceil(split * t.chips / room)
-        out["why"] = (
-            f"the parts independent of the batch need {sharding.human_bytes(fixed)} ("
-            + ", ".join(f"{k} {sharding.human_bytes(v)}" for k, v in args.items() if k != "batch")
-            + f"), more than the {sharding.human_bytes(hbm)} of HBM per chip"
-        )
-    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -785,9 +447,10 @@ def _line(row: dict) -> str:
     """One line per compile for the log."""
     what = f"{row['program']:<20} B={row['batch']:<5} b={row['per_chip_batch']:<4}"
     what += f" {row.get('index', ''):<7} remat={int(row['remat'])} {row['param_sharding']:<10}"
-    need = _needed(row)
+    need = needed_bytes(row)
     fits = "fits" if row["fits"] else "DOES NOT FIT"
-    text = f"{what} {sharding.human_bytes(need):>10}/chip {fits:<12} ({row['compile_s']:.0f} s)"
+    text = f"{what} {device_memory.human_bytes(need):>10}/chip {fits:<12}"
+    text += f" ({row['compile_s']:.0f} s)"
     if "roofline" in row:
         roof = row["roofline"]
         text += f" roofline {roof['step_s'] * 1e3:.3g} ms ({roof['bound']}-bound)"
@@ -810,7 +473,7 @@ def run(config, topology: str, *, layouts, remats, paths, largest: bool, generat
         check_batch(config.eval.batch_size, t, "config.eval.batch_size")
     out = {"target": t.describe(), "train": [], "generate": []}
     log(f"{t.name}: {t.chips} x {t.kind} on {t.hosts} host(s), "
-        f"{sharding.human_bytes(t.hbm_bytes)} HBM per chip for one program")  # fmt: skip
+        f"{device_memory.human_bytes(t.hbm_bytes)} HBM per chip for one program")  # fmt: skip
     plans = {}
     for remat in remats:
         for layout in layouts:

@@ -6,8 +6,8 @@
 Data: C unit-norm 768-d vectors around C / 200 Gaussian cluster centres (noise as large as the
 centres), queries drawn the same way, searched in batches of B = 64; recall@10 is against
 `ExactIndex`. Each approximate index has its query-time knob raised step by step until recall@10
-reaches 0.95 (ScaNN is first run at `rag_jax.retrieval.index.scann_defaults`, and only tuned if
-those miss).
+reaches 0.95 (ScaNN is first run at `rag_jax.retrieval.scann_index.scann_defaults`, and only tuned
+if those miss).
 The throughputs reported are then measured at those settings in one final head-to-head, every
 search timed once per round, in turn, for several rounds, taking each one's fastest pass: on a
 shared machine, load comes and goes, and this way it falls on all contenders alike.

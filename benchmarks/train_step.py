@@ -22,7 +22,7 @@ check that they compute the same thing.
 
 Roofline: the suite first measures this machine's float32 matmul peak on the same threads (a
 2048^2 product, the faster of XLA and torch), then reports each side's model FLOP rate (matmul
-FLOPs of forward and backward, `accelerator.train_flops`, over the fastest step) as a share of it,
+FLOPs of forward and backward, `flops.train_flops`, over the fastest step) as a share of it,
 and `goal_pct_of_peak`: the share a step meeting the goal (GOALS x the reference's fastest) would
 have to sustain. Over 100% the goal is out of reach on this machine for any implementation.
 
@@ -45,7 +45,7 @@ import transformers
 
 from benchmarks import common
 from benchmarks import floor as step_floor
-from benchmarks.accelerator import train_flops
+from benchmarks.flops import train_flops
 from rag_jax import hf, rag
 from rag_jax.training.optim import make_optimizer, settings_for
 from rag_jax.training.step import init_state, make_train_step
@@ -239,7 +239,7 @@ def _params_count(params) -> int:
 def step_flops(
     cfg: rag.RagConfig, batch: int, context: int = CONTEXT, target: int = TARGET
 ) -> float:
-    """Model FLOPs of one train step at this suite's shapes (`accelerator.train_flops`)."""
+    """Model FLOPs of one train step at this suite's shapes (`flops.train_flops`)."""
     return train_flops(
         cfg.question_encoder,
         cfg.generator,

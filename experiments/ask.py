@@ -16,7 +16,7 @@ import json
 
 from absl import app, flags, logging
 
-from rag_jax import bundle, host, sharding
+from rag_jax import bundle, distributed, host
 
 _BUNDLE = flags.DEFINE_string("bundle", None, "a bundle folder (<workdir>/bundle)")
 _WORKDIR = flags.DEFINE_string("workdir", None, "a training workdir (checkpoints + config)")
@@ -40,7 +40,7 @@ def main(argv):
         from rag_jax.training import loop
 
         exp, state, step = loop.restore(_WORKDIR.value)
-        params = sharding.replicated_to_host(state.params)
+        params = distributed.replicated_to_host(state.params)
         model = bundle.Bundle.from_experiment(exp, params, step=step)
     answers = model.answer(
         _QUESTIONS.value, variant=_VARIANT.value, num_beams=_BEAMS.value, n_docs=_N_DOCS.value

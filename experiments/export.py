@@ -16,7 +16,7 @@ import json
 
 from absl import app, flags, logging
 
-from rag_jax import bundle, host, sharding
+from rag_jax import bundle, distributed, host
 from rag_jax.training import loop
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "a training workdir (checkpoints + config)")
@@ -37,7 +37,7 @@ def main(argv):
         model = bundle.load(_BUNDLE.value)
     else:
         exp, state, step = loop.restore(_WORKDIR.value, step=_STEP.value)
-        params = sharding.replicated_to_host(state.params)
+        params = distributed.replicated_to_host(state.params)
         model = bundle.Bundle.from_experiment(exp, params, step=step)
     summary = {"step": model.step, "passages": len(model.store)}
     if _OUT.value:

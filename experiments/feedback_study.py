@@ -20,7 +20,7 @@ import time
 
 import ml_collections
 
-from rag_jax import data, evaluation, settings, sharding, synthetic
+from rag_jax import data, distributed, evaluation, settings, synthetic
 from rag_jax.retrieval import files
 from rag_jax.retrieval.build import workdir_store
 from rag_jax.retrieval.corpus import Passage
@@ -85,7 +85,7 @@ def hot_swap(workdir: pathlib.Path, fraction: float, seed: int) -> dict:
         {"prefix": cfg.prefix or "", "title_sep": cfg.title_sep, "doc_sep": cfg.doc_sep},
     )
     # The edited corpus, encoded by the trained passage encoder; no parameter changes.
-    passage_params = sharding.replicated_to_host(state.params["passage_encoder"])
+    passage_params = distributed.replicated_to_host(state.params["passage_encoder"])
     retriever = exp.build_retriever(passage_params, store=store, save=False)
     examples = data.examples_from_world(world, "eval")
     edited_ids = {f"{f.entity.replace(' ', '_')}:{f.relation}" for f in edited}

@@ -26,7 +26,7 @@ import time
 
 import numpy as np
 
-from rag_jax import data, evaluation, experiment, host, settings
+from rag_jax import data, evaluation, experiment, host, settings, validation
 from rag_jax.retrieval import files
 from rag_jax.retrieval.corpus import read_passages
 from squad_study import CONFIGS  # the configs, loaded by path
@@ -106,7 +106,7 @@ def run_variant(name, overrides, args, out: pathlib.Path) -> dict:
         )
         config.warm_start.reader_questions_path = str(questions)
         config.warm_start.reader_corpus_path = str(passages)
-    settings.validate(config, num_devices=1)
+    validation.validate(config, num_devices=1)
     start = time.perf_counter()
     # One workdir for every variant: its passage stores are built once; the readers are cached
     # apart (`warm_start.cache_dir`).

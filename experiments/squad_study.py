@@ -36,7 +36,7 @@ import pathlib
 import numpy as np
 
 import feedback_study
-from rag_jax import evaluation, host, settings, sharding
+from rag_jax import distributed, evaluation, host, settings
 from rag_jax.retrieval import files
 from rag_jax.retrieval.build import workdir_store
 from rag_jax.retrieval.index import ExactIndex
@@ -75,7 +75,7 @@ def hot_swap(workdir: pathlib.Path, count: int, seed: int) -> dict:
         corpus, exp.generator_tokenizer, workdir / "hot_swap_passages", exp.rag_cfg.context_layout
     )
     # Only the edited paragraphs are encoded again, with the run's own passage encoder.
-    encoder = exp.passage_encoder(sharding.replicated_to_host(state.params["passage_encoder"]))
+    encoder = exp.passage_encoder(distributed.replicated_to_host(state.params["passage_encoder"]))
     rows = [i for i, (a, b) in enumerate(zip(passages, corpus)) if a != b]
     vectors = np.array(exp.retriever.vectors, np.float32)
     vectors[rows] = encoder.encode([corpus[i] for i in rows])

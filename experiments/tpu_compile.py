@@ -30,7 +30,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # benchmar
 from absl import app, flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
-from benchmarks import aot  # noqa: E402
+from benchmarks import aot, tpu_topology  # noqa: E402
 from rag_jax import settings  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file(
@@ -79,7 +79,7 @@ def main(argv):
     try:
         aot.run(config, _TOPOLOGY.value, layouts=layouts, remats=remats, paths=_PATHS.value,
                 report=report, **options)  # fmt: skip
-    except aot.PlanError as e:
+    except tpu_topology.PlanError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"wrote {_OUT.value}", flush=True)

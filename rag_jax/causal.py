@@ -23,15 +23,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rag_jax import decoding, generation, rag_math
+from rag_jax import decoding, generation, rag_math, sequence_candidates
 from rag_jax.models import llama
 
 IGNORE_INDEX = -100
 
 
 def is_causal(cfg) -> bool:
-    """Whether a RagConfig's generator is a causal LM."""
-    return isinstance(cfg.generator, llama.LlamaConfig)
+    """Whether a RagConfig's generator is a causal LM (`RagConfig.causal`)."""
+    return cfg.causal
 
 
 def label_mask(labels: jax.Array, eos_token_id: int, pad_token_id: int) -> jax.Array:
@@ -306,7 +306,7 @@ def generate(
         if hyp_scores is None:
             raise ValueError("fast decoding needs num_beams > 1")
         lengths_scores = generation.unnormalised(hyps, hyp_scores, s, cfg)
-        scores = rag_math.rag_sequence_fast_scores(
+        scores = sequence_candidates.rag_sequence_fast_scores(
             hyps[..., 1:].reshape(batch, n_docs, beams, length),
             lengths_scores.reshape(batch, n_docs, beams),
             doc_scores,
@@ -315,7 +315,9 @@ def generate(
         score_fn = _thorough_fn(cfg, params, prompts, doc_scores)
         scores = -generation.rescore(cfg, candidates, score_fn, chunk=beams)
         deduplicate = False  # the rescoring already scored the repeats -inf
-    top, _ = rag_math.select_top_candidates(candidates, scores, num_return, deduplicate=deduplicate)
+    top, _ = sequence_candidates.select_top_candidates(
+        candidates, scores, num_return, deduplicate=deduplicate
+    )
     top = _padded(cfg, top)
     return top[:, 0] if num_return == 1 else top
 

@@ -537,7 +537,7 @@ class Progress:
 def install_preemption_handler(signals: tuple[int, ...] = (signal.SIGTERM,)) -> bool:
     """Makes SIGTERM (a TPU VM's preemption notice) set the flag `should_stop` reports.
 
-    Call from the main thread, after `sharding.maybe_initialize_distributed()`. On a
+    Call from the main thread, after `distributed.maybe_initialize_distributed()`. On a
     multi-process run nothing is installed: JAX's preemption service already listens for SIGTERM
     and coordinates the stop step across hosts (see `should_stop`), and a Python handler would
     replace its listener.

@@ -19,7 +19,7 @@ import functools
 import jax
 import numpy as np
 
-from rag_jax import data, experiment, metrics, rag, rag_math, sharding
+from rag_jax import data, distributed, experiment, metrics, rag, rag_math, sharding
 from rag_jax.retrieval.retriever import ClosedBook
 from rag_jax.training.batcher import Batcher
 from rag_jax.training.inputs import context_width
@@ -110,7 +110,7 @@ def evaluate(
         fields, pieces = batcher.questions(batch_examples[mine])
         hits = batcher.retrieve(params, fields, pieces, retriever)
         ctx, ctx_mask = batcher.contexts(hits)  # -> [local B * N, W], padded as for training
-        q_ids, q_mask, vecs, ctx, ctx_mask, doc_ids = sharding.shard_batch(
+        q_ids, q_mask, vecs, ctx, ctx_mask, doc_ids = distributed.shard_batch(
             mesh,
             (
                 fields["question_input_ids"],
@@ -123,11 +123,11 @@ def evaluate(
         )
         # Every block's answers and retrieved rows, on every process: -> [B, L], [B, N].
         if generate:
-            tokens, doc_ids = sharding.gather_to_host(
+            tokens, doc_ids = distributed.gather_to_host(
                 (gen(params, q_ids, q_mask, vecs, ctx, ctx_mask), doc_ids)
             )
         else:
-            doc_ids = sharding.gather_to_host(doc_ids)
+            doc_ids = distributed.gather_to_host(doc_ids)
         gold_answers = [e.answers for e in batch_examples]
         ids = []
         if generate:

@@ -14,7 +14,7 @@ import flax
 import jax
 import jax.numpy as jnp
 
-from rag_jax import decoding, rag_math
+from rag_jax import decoding, rag_math, sequence_candidates
 from rag_jax.models import bart
 
 
@@ -190,7 +190,7 @@ def generate(
     if sequence_decoding == "fast":
         if hyp_scores is None:
             raise ValueError("fast decoding needs num_beams > 1")
-        scores = rag_math.rag_sequence_fast_scores(
+        scores = sequence_candidates.rag_sequence_fast_scores(
             hyps.reshape(batch, n_docs, beams, length),
             unnormalised(hyps, hyp_scores, s, cfg).reshape(batch, n_docs, beams),
             doc_scores,
@@ -201,7 +201,9 @@ def generate(
         )
         scores = -rescore(cfg, candidates, score_fn, chunk=beams)
         deduplicate = False  # `rescore` already scored the repeats -inf
-    top, _ = rag_math.select_top_candidates(candidates, scores, num_return, deduplicate=deduplicate)
+    top, _ = sequence_candidates.select_top_candidates(
+        candidates, scores, num_return, deduplicate=deduplicate
+    )
     return top[:, 0] if num_return == 1 else top
 
 
@@ -220,7 +222,7 @@ def rescore(cfg, candidates, score_fn, *, chunk: int):
     batch, num_candidates, length = candidates.shape
     chunk = max(1, min(chunk, num_candidates))
     if cfg.do_deduplication:
-        first = rag_math.first_occurrence_mask(candidates)  # -> [B, M]
+        first = sequence_candidates.first_occurrence_mask(candidates)  # -> [B, M]
         order = jnp.argsort(~first, axis=1, stable=True)  # distinct first, in their order
         needed = jnp.max(jnp.sum(first, axis=1))  # distinct candidates of the busiest question
     else:
@@ -230,7 +232,9 @@ def rescore(cfg, candidates, score_fn, *, chunk: int):
     # HF leaves the BOS score out when *all* of a question's rescored candidates start with BOS:
     # decided once per question, not per chunk (a chunk's filler rows and its share of the
     # candidates would decide otherwise).
-    use_bos = rag_math.candidates_start_with_bos(candidates, cfg.bos_token_id, first)  # [B]
+    use_bos = sequence_candidates.candidates_start_with_bos(
+        candidates, cfg.bos_token_id, first
+    )  # [B]
     ranked = jnp.take_along_axis(candidates, order[:, :, None], axis=1)
     chunks = -(-num_candidates // chunk)
     pad = chunks * chunk - num_candidates  # the last chunk's padding rows repeat candidate 0

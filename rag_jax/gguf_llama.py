@@ -29,7 +29,7 @@ import re
 import jax
 import numpy as np
 
-from rag_jax import hf
+from rag_jax import hf_format
 from rag_jax.models import llama
 
 # Tensor types dequantised here (`gguf.GGMLQuantizationType` names); any other is refused.
@@ -86,11 +86,11 @@ def open_gguf(path):
 
     path = pathlib.Path(path)
     if not path.is_file():
-        raise hf.CheckpointError(f"no GGUF file at {path}")
+        raise hf_format.CheckpointError(f"no GGUF file at {path}")
     try:
         return gguf.GGUFReader(str(path), "r")
     except Exception as e:  # Bad magic, truncated file, ...: say which file.
-        raise hf.CheckpointError(f"cannot read {path} as a GGUF file: {e}") from e
+        raise hf_format.CheckpointError(f"cannot read {path} as a GGUF file: {e}") from e
 
 
 def _value(reader, key: str, default=_MISSING):
@@ -98,11 +98,11 @@ def _value(reader, key: str, default=_MISSING):
     field = reader.fields.get(key)
     if field is None:
         if default is _MISSING:
-            raise hf.CheckpointError(f"GGUF metadata key {key!r} is missing")
+            raise hf_format.CheckpointError(f"GGUF metadata key {key!r} is missing")
         return default
     value = field.contents()
     if isinstance(value, list):
-        raise hf.CheckpointError(
+        raise hf_format.CheckpointError(
             f"GGUF metadata {key} is a per-layer list ({value[:4]}...); only one value for all "
             "layers is supported"
         )
@@ -121,7 +121,7 @@ def dequantize(tensor) -> np.ndarray:
 
     kind = gguf.GGMLQuantizationType(tensor.tensor_type).name
     if kind not in SUPPORTED_TYPES:
-        raise hf.CheckpointError(
+        raise hf_format.CheckpointError(
             f"GGUF tensor {tensor.name} has type {kind}, which is not supported (supported: "
             f"{', '.join(SUPPORTED_TYPES)})"
         )
@@ -134,7 +134,9 @@ def unpermute(w: np.ndarray, heads: int, name: str = "tensor") -> np.ndarray:
     """Inverse of llama.cpp's query/key row permutation: [heads * d, in] -> [heads * d, in]."""
     rows = w.shape[0]
     if rows % (2 * heads):
-        raise hf.CheckpointError(f"{name} has {rows} rows, not a multiple of 2 * {heads} heads")
+        raise hf_format.CheckpointError(
+            f"{name} has {rows} rows, not a multiple of 2 * {heads} heads"
+        )
     return w.reshape(heads, rows // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
@@ -148,7 +150,7 @@ def _rope(reader, cfg: llama.LlamaConfig, path) -> llama.LlamaConfig:
         factor = _f32(_value(reader, "llama.rope.scaling.factor", legacy))
         cfg = cfg.replace(rope_scaling=(("factor", factor), ("rope_type", "linear")))
     elif kind != "none":
-        raise hf.CheckpointError(
+        raise hf_format.CheckpointError(
             f"{path} uses rope scaling {kind!r} (llama.rope.scaling.type); only linear and "
             "Llama 3's (rope_freqs.weight) are supported"
         )
@@ -165,7 +167,7 @@ def _rope(reader, cfg: llama.LlamaConfig, path) -> llama.LlamaConfig:
     base = llama.rope_frequencies(cfg.replace(rope_scaling=None))
     expected = base / llama.rope_frequencies(cfg) if kind == "none" else np.ones_like(base)
     if divisors.shape != expected.shape or not np.allclose(divisors, expected, rtol=1e-5, atol=0):
-        raise hf.CheckpointError(
+        raise hf_format.CheckpointError(
             f"{ROPE_FREQS} in {path} ({divisors.shape}: {divisors.tolist()[:8]}...) is not the "
             f"rope frequency scaling the config computes ({expected.tolist()[:8]}..., from "
             f"rope_scaling={cfg.rope_scaling}); refused rather than loaded as another model"
@@ -178,14 +180,14 @@ def config_from_reader(reader, path="<gguf>", **overrides) -> llama.LlamaConfig:
     `output.weight`); other architectures and unsupported settings are refused by name."""
     architecture = _value(reader, "general.architecture", None)
     if architecture != "llama":
-        raise hf.CheckpointError(
+        raise hf_format.CheckpointError(
             f"{path} holds a {architecture!r} model (general.architecture); only 'llama' GGUF "
             "files are supported"
         )
     for key, value in _UNSUPPORTED.items():
         found = _value(reader, key, value)
         if found != value:
-            raise hf.CheckpointError(
+            raise hf_format.CheckpointError(
                 f"GGUF metadata {key}={found!r} in {path} changes the model and is not supported "
                 f"(only {value!r})"
             )
@@ -195,7 +197,7 @@ def config_from_reader(reader, path="<gguf>", **overrides) -> llama.LlamaConfig:
     head_dim = int(get("attention.key_length", hidden // heads))
     for key in ("attention.value_length", "rope.dimension_count"):
         if int(get(key, head_dim)) != head_dim:
-            raise hf.CheckpointError(
+            raise hf_format.CheckpointError(
                 f"GGUF metadata llama.{key}={get(key)} in {path} differs from the head width "
                 f"{head_dim}; only full-width rotary heads of equal key and value widths are "
                 "supported"
@@ -204,7 +206,7 @@ def config_from_reader(reader, path="<gguf>", **overrides) -> llama.LlamaConfig:
     if vocab is None:
         tokens = reader.fields.get("tokenizer.ggml.tokens")
         if tokens is None:
-            raise hf.CheckpointError(
+            raise hf_format.CheckpointError(
                 f"{path} has neither llama.vocab_size nor tokenizer.ggml.tokens: no vocab size"
             )
         vocab = len(tokens.data)
@@ -257,13 +259,13 @@ def load(path, *, dtype: str = "float32", param_dtype: str = "float32", remat: b
     # Names first (the reader refuses duplicates), so nothing is dequantised for a wrong file.
     tensors = {t.name: t for t in reader.tensors if t.name != ROPE_FREQS}
     missing = [f"{name} (for Llama {ours})" for name, ours in wanted.items() if name not in tensors]
-    hf._strict(missing, [name for name in tensors if name not in wanted], path)
+    hf_format.strict(missing, [name for name in tensors if name not in wanted], path)
 
     state = {name: dequantize(t) for name, t in tensors.items()}
     for i in range(cfg.num_hidden_layers):
         for kind, heads in (("q", cfg.num_attention_heads), ("k", cfg.num_key_value_heads)):
             name = f"blk.{i}.attn_{kind}.weight"
             state[name] = unpermute(state[name], heads, name)
-    params, missing = hf._fill(shapes, gguf_name, state, np.dtype(cfg.param_dtype), "Llama")
-    hf._strict(missing, sorted(state), path)
+    params, missing = hf_format.fill(shapes, gguf_name, state, np.dtype(cfg.param_dtype), "Llama")
+    hf_format.strict(missing, sorted(state), path)
     return cfg, params

@@ -18,9 +18,9 @@
   retriever=...)` passes the retriever on to the saved generation config, which then fails).
 
 `save_dpr` and `save_bart` write the halves (`DPRQuestionEncoder` / `DPRContextEncoder`,
-`BartForConditionalGeneration`). Names are the inverse of `hf`'s import (`hf.bert_name`,
-`hf.bart_name`), kernels transposed back to PyTorch's [out, in], so `hf.load_rag` of an export
-returns the same parameters.
+`BartForConditionalGeneration`). Names are the inverse of `hf`'s import
+(`hf_format.bert_name`, `hf_format.bart_name`), kernels transposed back to PyTorch's [out, in],
+so `hf.load_rag` of an export returns the same parameters.
 
 Refused, with the reason: a model HF's classes cannot compute (a question encoder that pools other
 than by its [CLS] state, a generator whose LayerNorm eps is not BART's 1e-5 or whose encoder's own
@@ -41,7 +41,7 @@ import transformers
 from absl import logging
 from safetensors.numpy import save_file
 
-from rag_jax import hf, rag
+from rag_jax import hf_format, rag
 from rag_jax.models import bart, bert
 
 __all__ = ["ExportError", "save_bart", "save_dpr", "save_passages", "save_rag"]
@@ -97,7 +97,7 @@ def _bert_state(cfg: bert.BertConfig, params, prefix: str, what: str) -> dict[st
         if ours.startswith("pooler/"):
             dropped.append(ours)
             continue
-        name = hf.bert_name(ours, prefix)
+        name = hf_format.bert_name(ours, prefix)
         if name.startswith("<unmapped"):
             unmapped.append(ours)
             continue
@@ -150,7 +150,7 @@ def _bart_state(cfg: bart.BartConfig, params, prefix: str) -> dict[str, np.ndarr
     params = _tied_bart(cfg, params)
     state, unmapped = {}, []
     for ours, value in _flat(params).items():
-        name = hf.bart_name(ours, prefix)
+        name = hf_format.bart_name(ours, prefix)
         if name.startswith("<unmapped"):
             unmapped.append(ours)
             continue

@@ -14,7 +14,7 @@ import re
 import jax
 import numpy as np
 
-from rag_jax import hf
+from rag_jax import gguf_llama, hf_format
 from rag_jax.models import layers, llama
 
 # Our per-layer parameter -> HF's sub-name under `model.layers.{i}.`.
@@ -63,7 +63,7 @@ def _rope(config: dict) -> tuple[float, tuple | None]:
         scaling["rope_type"] = scaling.pop("type")
     kind = scaling.get("rope_type", "default")
     if kind not in llama.ROPE_TYPES:
-        raise hf.CheckpointError(
+        raise hf_format.CheckpointError(
             f"Llama config rope_type {kind!r} is not supported (supported: {llama.ROPE_TYPES})"
         )
     if kind == "default":
@@ -74,17 +74,19 @@ def _rope(config: dict) -> tuple[float, tuple | None]:
 def llama_config_from_hf(config: dict, **overrides) -> llama.LlamaConfig:
     """Our LlamaConfig from an HF `LlamaConfig` dict; unsupported settings are refused by name."""
     if config.get("model_type", "llama") != "llama":
-        raise hf.CheckpointError(
+        raise hf_format.CheckpointError(
             f"model_type {config.get('model_type')!r} is not a Llama architecture "
             f"(architectures: {config.get('architectures')}); only 'llama' is supported"
         )
     for field, value in _UNSUPPORTED.items():
         if config.get(field, value) != value:
-            raise hf.CheckpointError(
+            raise hf_format.CheckpointError(
                 f"Llama config field {field}={config[field]!r} is not supported (only {value!r})"
             )
     if config.get("hidden_act", "silu") not in layers.ACTIVATIONS:
-        raise hf.CheckpointError(f"Llama hidden_act {config['hidden_act']!r} is not supported")
+        raise hf_format.CheckpointError(
+            f"Llama hidden_act {config['hidden_act']!r} is not supported"
+        )
     theta, scaling = _rope(config)
     fields = set(llama.LlamaConfig.__dataclass_fields__) - {"rope_theta", "rope_scaling"}
     values = {k: v for k, v in config.items() if k in fields and v is not None}
@@ -107,11 +109,13 @@ def llama_params_from_state(cfg: llama.LlamaConfig, state: dict, path="<state di
         head = state.pop("lm_head.weight")
         embed = state.get("model.embed_tokens.weight")
         if embed is not None and not np.array_equal(head, embed):
-            raise hf.CheckpointError(
+            raise hf_format.CheckpointError(
                 f"lm_head.weight in {path} differs from model.embed_tokens.weight but the config "
                 "ties them (tie_word_embeddings=True)"
             )
-    return hf._fill(llama.param_shapes(cfg), llama_name, state, np.dtype(cfg.param_dtype), "Llama")
+    return hf_format.fill(
+        llama.param_shapes(cfg), llama_name, state, np.dtype(cfg.param_dtype), "Llama"
+    )
 
 
 def load_llama(path, *, dtype: str = "float32", param_dtype: str = "float32", remat: bool = False):
@@ -123,17 +127,17 @@ def load_llama(path, *, dtype: str = "float32", param_dtype: str = "float32", re
     """
     local = pathlib.Path(path)
     if local.suffix == ".gguf":
-        from rag_jax import gguf_llama
-
         return gguf_llama.load(local, dtype=dtype, param_dtype=param_dtype, remat=remat)
-    path = hf.resolve(path)
-    config = hf.read_config(path)
+    path = hf_format.resolve(path)
+    config = hf_format.read_config(path)
     cfg = llama_config_from_hf(config, dtype=dtype, param_dtype=param_dtype, remat=remat)
     state = {
-        k: v for k, v in hf.read_state_dict(path).items() if not k.endswith("rotary_emb.inv_freq")
+        k: v
+        for k, v in hf_format.read_state_dict(path).items()
+        if not k.endswith("rotary_emb.inv_freq")
     }
     params, missing = llama_params_from_state(cfg, state, path)
-    hf._strict(missing, sorted(state), path)
+    hf_format.strict(missing, sorted(state), path)
     return cfg, params
 
 
@@ -194,7 +198,7 @@ def check_tokenizer(tokenizer, cfg: llama.LlamaConfig, source) -> None:
     model's embedding rows `cfg.vocab_size`: its top ids would index past the table. Fewer is
     fine (tables are often padded)."""
     if len(tokenizer) > cfg.vocab_size:
-        raise hf.CheckpointError(
+        raise hf_format.CheckpointError(
             f"the tokenizer of {source} has {len(tokenizer)} tokens but the model's embedding "
             f"has {cfg.vocab_size} rows (vocab_size): ids {cfg.vocab_size}..{len(tokenizer) - 1} "
             "have no embedding"
@@ -213,13 +217,11 @@ def load_llama_tokenizer(path):
 
     local = pathlib.Path(path)
     if local.suffix == ".gguf":
-        from rag_jax import gguf_llama
-
         cfg = gguf_llama.read_config(local)
         tokenizer = AutoTokenizer.from_pretrained(str(local.parent), gguf_file=local.name)
     else:
-        local = hf.resolve(path)
-        cfg = llama_config_from_hf(hf.read_config(local))
+        local = hf_format.resolve(path)
+        cfg = llama_config_from_hf(hf_format.read_config(local))
         tokenizer = AutoTokenizer.from_pretrained(str(local))
     check_tokenizer(tokenizer, cfg, local)
     return tokenizer

@@ -274,3 +274,16 @@ def tokenizer(world: World):
     words = [w for w in vocabulary(world) if w not in SPECIAL_TOKENS]
     vocab = {token: i for i, token in enumerate((*SPECIAL_TOKENS, *words))}
     return BertTokenizer(vocab=vocab, do_lower_case=True, tokenize_chinese_chars=False)
+
+
+def world_of(config) -> World:
+    """The world a run's config describes: `config.seed` and `config.data`'s world settings."""
+    d = config.data
+    return make_world(
+        WorldConfig(
+            seed=config.seed,
+            num_entities=d.num_entities,
+            distractors_per_fact=d.distractors_per_fact,
+            eval_fraction=d.eval_fraction,
+        )
+    )

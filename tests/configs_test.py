@@ -9,7 +9,7 @@ import ml_collections
 import numpy as np
 import pytest
 
-from rag_jax import data, experiment, settings
+from rag_jax import data, experiment, settings, validation
 from rag_jax.models import bart, bert
 from rag_jax.retrieval.build import build_index
 from rag_jax.retrieval.device_index import DeviceIndex
@@ -172,12 +172,12 @@ def test_config_sets_only_the_keys_its_run_consumes(name, monkeypatch):
             fields = set(cls.__dataclass_fields__)
             assert set(keys[key]) <= fields, f"{name}: {key} has {set(keys[key]) - fields}"
     try:
-        settings.validate(config, num_devices=1)  # the trainer's own start-up checks
+        validation.validate(config, num_devices=1)  # the trainer's own start-up checks
     except FileNotFoundError:
         # Data, indexes and checkpoints that live elsewhere (TPU hosts, ../shared, the hub):
         # every other check still runs.
-        monkeypatch.setattr(settings, "_check_paths", lambda config: None)
-        settings.validate(config, num_devices=1)
+        monkeypatch.setattr(validation, "_check_paths", lambda config: None)
+        validation.validate(config, num_devices=1)
 
 
 def test_every_schema_key_is_read_by_the_library():
@@ -202,20 +202,20 @@ def test_a_fixed_generator_encoder_must_be_frozen_whole_below_its_cut():
         decoder_attention_heads=2, encoder_ffn_dim=12, decoder_ffn_dim=12,
         max_position_embeddings=16, frozen_encoder_layers=2,
     )  # fmt: skip
-    settings.check_frozen_encoder(r"^(passage_encoder/|generator/encoder/)", cfg, -1)
+    validation.check_frozen_encoder(r"^(passage_encoder/|generator/encoder/)", cfg, -1)
     below = r"^generator/encoder/(embed_tokens|positions|ln_embedding|layer_[01])/"
-    settings.check_frozen_encoder(below, cfg, 2)  # layer_2, above the cut, may train
+    validation.check_frozen_encoder(below, cfg, 2)  # layer_2, above the cut, may train
     with pytest.raises(ValueError, match=r"=2 stops the gradient .* leaves "
                        r"generator/encoder/embed_tokens/embedding trainable"):  # fmt: skip
-        settings.check_frozen_encoder(r"^generator/encoder/(positions|ln_|layer_)", cfg, 2)
+        validation.check_frozen_encoder(r"^generator/encoder/(positions|ln_|layer_)", cfg, 2)
     # The positions and the last frozen layer's first kernel are not the whole encoder.
     partial = r"^generator/encoder/(embed_tokens|positions|layer_1/mlp/wi)/"
     with pytest.raises(ValueError, match=r"leaves generator/encoder/layer_0/.* and \d+ more "
                        r"trainable"):  # fmt: skip
-        settings.check_frozen_encoder(partial, cfg, 2)
+        validation.check_frozen_encoder(partial, cfg, 2)
     with pytest.raises(ValueError, match=r"freeze generator/encoder/ \(embed_tokens, positions, "
                        r"ln_embedding and layer_0 to layer_1\)"):  # fmt: skip
-        settings.check_frozen_encoder("", cfg, 2)
+        validation.check_frozen_encoder("", cfg, 2)
 
 
 def test_split_by_title_holds_out_whole_articles():

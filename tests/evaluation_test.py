@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import transformers
 
-from rag_jax import evaluation, experiment, rag, settings, sharding
+from rag_jax import evaluation, experiment, model_setup, rag, settings, sharding, validation
 from rag_jax.training.inputs import question_tokens
 from tiny_runs import tiny_config
 
@@ -53,7 +53,7 @@ def test_eval_n_docs_defaults_to_the_training_k(exp):
 def test_closed_book_cannot_test_with_more_passages():
     config = tiny_config(**{"rag.closed_book": True, "rag.n_docs": 1, "eval.n_docs": 5})
     with pytest.raises(ValueError, match=r"config.eval.n_docs=5 but config.rag.closed_book"):
-        settings.validate(config, 1)
+        validation.validate(config, 1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -80,7 +80,7 @@ def test_a_perfect_copy_scores_em_1_with_an_uncased_wordpiece_generator(tmp_path
         (f"p{i}", f"title {i}", f"It was {a} all along.") for i, a in enumerate(ODD_ANSWERS)
     ]
     store = PassageStore.build(passages, tokenizer, tmp_path / "store")
-    ids = experiment._generator_ids(tokenizer)
+    ids = model_setup.generator_ids(tokenizer)
     generator = bart.BartConfig(vocab_size=len(tokenizer), **ids)
     rag_cfg = rag.RagConfig(
         question_encoder=bert.BertConfig(), generator=generator, bos_token_id=ids["bos_token_id"]

@@ -17,7 +17,7 @@ import transformers
 from rag_test import GEN, HF_IDS, B, N, T, _assert_same_tokens, inputs, models, save_rag
 
 import hf_fixtures
-from rag_jax import generation, hf, rag, rag_math
+from rag_jax import generation, hf, rag, sequence_candidates
 from rag_jax.models import bart
 
 __all__ = ["models"]  # the module-scoped RAG fixture, shared with rag_test
@@ -46,7 +46,7 @@ def test_thorough_rescoring_scores_each_distinct_candidate_once(models, deduplic
         [[picks[b, :m].tolist().count(picks[b, m]) == 0 for m in range(7)] for b in range(B)]
     )
     counted = jnp.asarray(first if deduplicate else np.ones_like(first))
-    use_bos = rag_math.candidates_start_with_bos(candidates, cfg.bos_token_id, counted)
+    use_bos = sequence_candidates.candidates_start_with_bos(candidates, cfg.bos_token_id, counted)
     want = np.asarray(
         generation._thorough_nll(cfg, params, encoded, mask, doc_scores, candidates, use_bos)
     )
@@ -124,7 +124,7 @@ def test_bos_exclusion_is_decided_once_per_question_like_hf(no_forced_bos):
             want = _hf_rescoring_loss(model, x, b, np.asarray(candidates[b]))
             np.testing.assert_allclose(got[b], want, rtol=1e-4, atol=1e-4, err_msg=f"chunk {chunk}")
     # The two decisions differ: question 0 keeps its BOS scores, question 1 leaves them out.
-    assert rag_math.candidates_start_with_bos(
+    assert sequence_candidates.candidates_start_with_bos(
         jnp.asarray(candidates), cfg.bos_token_id
     ).tolist() == [
         False,

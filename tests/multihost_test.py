@@ -24,7 +24,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from experiments.configs import default as default_config
-from rag_jax import checkpoints, data, rag, sharding
+from rag_jax import checkpoints, data, distributed, rag, sharding
 from rag_jax.retrieval import index
 from rag_jax.retrieval.device_index import DeviceIndex
 from rag_jax.training import loop
@@ -92,7 +92,7 @@ def _run_workers(job: str, out: pathlib.Path, timeout: float = 300, **kwargs) ->
 def _main(argv: list[str]) -> None:
     """A worker: joins the distributed run, then runs `JOBS[job]`."""
     job, process_id, port, args = argv[1], int(argv[2]), argv[3], json.loads(argv[4])
-    sharding.maybe_initialize_distributed(
+    distributed.maybe_initialize_distributed(
         coordinator_address=f"127.0.0.1:{port}",
         num_processes=NUM_PROCESSES,
         process_id=process_id,
@@ -122,18 +122,18 @@ def _corpus():
 def _collectives_job(out: pathlib.Path) -> None:
     p = jax.process_index()
     mesh = sharding.data_mesh()
-    block, blocks = sharding.process_block(mesh)
+    block, blocks = distributed.process_block(mesh)
     local = np.arange(8 * 3, dtype=np.int32).reshape(8, 3) + 1000 * block  # -> [B / 2, 3]
-    batch = sharding.shard_batch(mesh, {"x": local})
+    batch = distributed.shard_batch(mesh, {"x": local})
     x = batch["x"]
     assert not x.is_fully_addressable and x.shape == (16, 3), x.shape
     results = {
         "block": np.array([block, blocks]),
-        "local_rows": sharding.local_rows(x),
-        "gathered": sharding.gather_to_host(x),
+        "local_rows": distributed.local_rows(x),
+        "gathered": distributed.gather_to_host(x),
         "column_sums": np.asarray(jax.jit(lambda a: a.sum(axis=0))(x)),
-        "process_sum": np.array(sharding.sum_over_processes({"m": (p + 1.0, 2)})["m"]),
-        "from_process0": np.array(sharding.from_process0(p == 0)),
+        "process_sum": np.array(distributed.sum_over_processes({"m": (p + 1.0, 2)})["m"]),
+        "from_process0": np.array(distributed.from_process0(p == 0)),
     }
 
     vectors, queries = _corpus()
@@ -146,10 +146,10 @@ def _collectives_job(out: pathlib.Path) -> None:
     results["numpy_scores"], results["numpy_ids"] = ix.search(queries, K)
     # In-graph: every process feeds its block of the question batch; one collective program.
     rows = slice(block * B // blocks, (block + 1) * B // blocks)
-    q = sharding.shard_batch(mesh, queries[rows])
+    q = distributed.shard_batch(mesh, queries[rows])
     scores, ids = jax.jit(lambda ix, q: ix.search(q, K))(ix, q)
-    results["graph_scores"], results["graph_ids"] = sharding.gather_to_host((scores, ids))
-    results["own_ids"] = sharding.own_rows(ids, mesh)  # replicated result: this block's rows
+    results["graph_scores"], results["graph_ids"] = distributed.gather_to_host((scores, ids))
+    results["own_ids"] = distributed.own_rows(ids, mesh)  # replicated result: this block's rows
     try:
         ix.search(queries + p, K)  # different queries on each process
     except AssertionError as e:
@@ -224,7 +224,7 @@ def _checkpoint_job(out: pathlib.Path, one_process_dir: str) -> None:
         ckpt.save(2, _state(mesh, seed=2), {"written_by": "two processes"})
     restored, step = checkpoints.restore_or_init(one_process_dir, lambda: None, _abstract(mesh))
     assert step == 1 and not restored["table"].is_fully_addressable
-    np.savez(out / f"restored{jax.process_index()}.npz", **sharding.gather_to_host(restored))
+    np.savez(out / f"restored{jax.process_index()}.npz", **distributed.gather_to_host(restored))
 
 
 def test_checkpoint_moves_between_one_and_two_processes(tmp_path):
@@ -295,7 +295,7 @@ def _train_job(out: pathlib.Path, one_process_dir: str, overrides: dict) -> None
     # The one-process run's checkpoint, restored over both processes.
     _, state, step = loop.restore(one_process_dir)
     assert step == 3
-    np.savez(out / f"restored{p}.npz", **_flat(sharding.gather_to_host(state.params)))
+    np.savez(out / f"restored{p}.npz", **_flat(distributed.gather_to_host(state.params)))
 
 
 def _flat(tree) -> dict[str, np.ndarray]:

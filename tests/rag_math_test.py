@@ -18,7 +18,7 @@ from transformers.models.rag.modeling_rag import (
     RagTokenForGeneration,
 )
 
-from rag_jax import rag_math
+from rag_jax import rag_math, sequence_candidates
 
 B, N, T, V, D = 2, 3, 5, 11, 7
 BOS, PAD, EOS = 0, 1, 2
@@ -81,7 +81,9 @@ _token_nll = jax.jit(rag_math.rag_token_nll, static_argnames=("pad_token_id", "n
 _thorough_nll = jax.jit(
     rag_math.rag_sequence_thorough_nll, static_argnames=("pad_token_id", "bos_token_id", "n_docs")
 )
-_select = jax.jit(rag_math.select_top_candidates, static_argnames=("num_return", "deduplicate"))
+_select = jax.jit(
+    sequence_candidates.select_top_candidates, static_argnames=("num_return", "deduplicate")
+)
 
 
 def _ours_sequence(seq_logits, doc_scores, labels, *, bos=BOS, **kw):
@@ -386,7 +388,7 @@ def test_select_top_candidates_matches_hf_dedup_and_topk():
 
 def test_first_occurrence_mask():
     np.testing.assert_array_equal(
-        rag_math.first_occurrence_mask(_candidates()),
+        sequence_candidates.first_occurrence_mask(_candidates()),
         [[True, True, False, True], [True, True, True, True]],
     )
 
@@ -415,7 +417,9 @@ def test_rag_sequence_fast_scores_match_brute_force():
     beam_logprobs = -rng.uniform(0.5, 4.0, size=(B, N, num_beams)).astype(np.float32)
     beam_logprobs[1, 1, 1] = beam_logprobs[1, 1, 0]  # one answer, one doc: one probability
     doc_scores = (2.0 * rng.normal(size=(B, N))).astype(np.float32)
-    got = jax.jit(rag_math.rag_sequence_fast_scores)(beam_tokens, beam_logprobs, doc_scores)
+    got = jax.jit(sequence_candidates.rag_sequence_fast_scores)(
+        beam_tokens, beam_logprobs, doc_scores
+    )
     assert got.shape == (B, N * num_beams)
     prior = np.exp(doc_scores - doc_scores.max(1, keepdims=True))
     prior /= prior.sum(1, keepdims=True)

@@ -28,7 +28,7 @@ import pytest
 
 import hf_fixtures
 from experiments.configs import default as default_config
-from rag_jax import checkpoints, experiment, hf, settings
+from rag_jax import checkpoints, experiment, hf, settings, validation
 from rag_jax.retrieval import encode, files, index
 from rag_jax.retrieval.build import build_index, load_passage_encoder
 from rag_jax.retrieval.corpus import Passage
@@ -640,12 +640,12 @@ def test_config_errors_fail_at_start_up_naming_the_key_and_the_fix(overrides, er
     with config.unlocked():
         settings.override(config, overrides)
     with pytest.raises(error, match=message):
-        settings.validate(config, 8)
+        validation.validate(config, 8)
 
 
 def test_config_defaults_and_the_tiny_config_pass_validation():
-    settings.validate(default_config.get_config(), 8)
-    settings.validate(tiny_config(), 1)
+    validation.validate(default_config.get_config(), 8)
+    validation.validate(tiny_config(), 1)
 
 
 def test_n_docs_larger_than_the_corpus_fails_before_training(tmp_path, compilation_cache):
@@ -680,7 +680,7 @@ def test_n_docs_larger_than_the_corpus_fails_before_any_warm_start(tmp_path, cap
 def test_negative_or_zero_sizes_get_their_own_message(tmp_path, key, value):
     message = rf"^config\.{key} must be a positive integer, got {value}$"
     with pytest.raises(ValueError, match=message):
-        settings.validate(tiny_config(**{key: value}), num_devices=1)
+        validation.validate(tiny_config(**{key: value}), num_devices=1)
 
 
 def test_sigterm_during_a_warm_start_saves_its_progress_and_the_rerun_resumes_it(

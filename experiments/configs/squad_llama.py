@@ -26,7 +26,7 @@ import pathlib
 
 import ml_collections
 
-from rag_jax import hf_llama, settings
+from rag_jax import hf_llama, validation
 
 # squad_open.py holds the data and retriever setup; loaded by path so that
 # `--config experiments/configs/squad_llama.py` works from any directory.
@@ -84,5 +84,5 @@ def get_config(variant: str = ""):
     config.eval.before = False
     config.eval.batch_size = 8
     config.eval.max_length = 16  # generated tokens
-    settings.check_frozen_layers(config.train.freeze, 30, 0)  # the generator's 30 layers
+    validation.check_frozen_layers(config.train.freeze, 30, 0)  # the generator's 30 layers
     return config

@@ -15,7 +15,7 @@ import shutil
 import socket
 
 from rag_jax import hf
-from rag_jax.retrieval import corpus, encode, index
+from rag_jax.retrieval import corpus, encode, index, scann_index
 from rag_jax.retrieval.encode import DEFAULT_MAX_LENGTH, encode_corpus
 from rag_jax.retrieval.store import PassageStore
 from rag_jax.retrieval.vectors import load_vectors
@@ -135,7 +135,7 @@ def build_index(
     if kind == "exact":
         ix = index.ExactIndex(vectors, **provenance)
     else:
-        ix = index.ScannIndex.build(vectors, **provenance)
+        ix = scann_index.ScannIndex.build(vectors, **provenance)
     ix.save(str(out_dir / "index"))
     return {
         "passages": str(out_dir / "passages"),

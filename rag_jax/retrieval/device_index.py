@@ -13,14 +13,8 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from rag_jax.retrieval.index import (
-    Index,
-    check_query_shape,
-    check_vectors,
-    load_vectors,
-    provenance,
-    save_vectors,
-)
+from rag_jax.retrieval.index_base import Index, check_query_shape, check_vectors
+from rag_jax.retrieval.index_format import load_vectors, provenance, save_vectors
 
 
 def _device_search(vectors, queries, *, count, k, mesh, axis, recall_target, precision, block_rows):
@@ -107,7 +101,7 @@ class DeviceIndex(Index):
     pass `precision=jax.lax.Precision.HIGHEST` for float32 scores.
 
     Multi-host: the mesh may span every device of every process (`sharding.data_mesh()` after
-    `sharding.maybe_initialize_distributed()`), so a corpus too large for one host's
+    `distributed.maybe_initialize_distributed()`), so a corpus too large for one host's
     accelerators is split over the whole pod. Every process constructs the index with the same
     `vectors` (a `np.memmap` of the vectors file keeps the corpus out of host memory: each
     process copies only the rows of its own devices' shards) and the same mesh, and every search

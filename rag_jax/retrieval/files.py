@@ -1,8 +1,9 @@
 """Files that must survive crashes and damage: manifests, checksums, atomic writes, `.npy` headers.
 
 Every on-disk format of the project goes through this module: passage stores
-(`retrieval.store`), vector shards (`retrieval.vectors`), index folders (`retrieval.index`), and
-the trainer's own files (warm-start caches, refresh snapshots, evaluation JSON).
+(`retrieval.store`), vector shards (`retrieval.vectors`), index folders
+(`retrieval.index_format`), and the trainer's own files (warm-start caches, refresh snapshots,
+evaluation JSON).
 
 - `write_atomic(path, data)`: a temporary file, fsync, rename over `path`, fsync of the folder.
   A crash leaves the old file or none, never a truncated one.

@@ -33,10 +33,13 @@ import pathlib
 import jax
 import numpy as np
 
-from rag_jax import checkpoints, sharding
+from rag_jax import checkpoints, distributed, sharding
 from rag_jax.retrieval import encode, files
 from rag_jax.retrieval.device_index import DeviceIndex
-from rag_jax.retrieval.index import ExactIndex, Index, ScannIndex, read_manifest
+from rag_jax.retrieval.index import ExactIndex
+from rag_jax.retrieval.index_base import Index
+from rag_jax.retrieval.index_format import read_manifest
+from rag_jax.retrieval.scann_index import ScannIndex
 from rag_jax.retrieval.store import PassageStore, tokenizer_fingerprint
 
 
@@ -49,6 +52,25 @@ class Retrieved:
     doc_vectors: np.ndarray  # [B, N, D] float32 stored passage vectors
     context_input_ids: np.ndarray  # [B * N, S] int32, row b * N + n
     context_attention_mask: np.ndarray  # [B * N, S] int32
+
+
+def searches_in_step(asked: bool, index_mesh, index_axis: str, step_mesh) -> bool:
+    """The one rule for whether a train step searches the next batch's passages itself: it was
+    asked to (`search_in_step`), and the index is a `DeviceIndex` sharded along `data` over
+    exactly the step's devices (one process or a pod). `Retriever.searches_in_step` asks it of a
+    built index; `Experiment.searches_in_step` of the index a config would build, before any is
+    (a restore lays out its state by it).
+
+    Args:
+      asked: the retriever's `search_in_step`.
+      index_mesh, index_axis: the device index's mesh and the axis its vectors are split along.
+      step_mesh: the train step's mesh.
+    """
+    return (
+        asked
+        and index_axis == sharding.DATA_AXIS
+        and list(index_mesh.devices.flat) == list(step_mesh.devices.flat)
+    )
 
 
 class Retriever:
@@ -133,9 +155,9 @@ class Retriever:
         index = self.index
         if isinstance(index, DeviceIndex) and not index.vectors.is_fully_addressable:
             scores, doc_ids = index.search(question_vectors, self.n_docs)  # -> [B, N] replicated
-            own = lambda x: sharding.own_rows(x, mesh)  # noqa: E731
+            own = lambda x: distributed.own_rows(x, mesh)  # noqa: E731
             return self.gather(own(doc_ids), question_pieces, own(scores))
-        return self(sharding.local_rows(question_vectors), question_pieces)
+        return self(distributed.local_rows(question_vectors), question_pieces)
 
     def gather(self, doc_ids, question_pieces: list[list[int]], scores=None) -> Retrieved:
         """The step's inputs for passages already chosen (e.g. by a search inside the step).
@@ -168,15 +190,11 @@ class Retriever:
         return Retrieved(ids, np.asarray(scores, np.float32), vectors, context_ids, context_mask)
 
     def searches_in_step(self, mesh) -> bool:
-        """Whether the train step on `mesh` searches this retriever's index itself: a
-        `DeviceIndex` sharded over the step's own devices, along `data` (one process or a pod),
-        asked to (`search_in_step`)."""
+        """Whether the train step on `mesh` searches this retriever's index itself
+        (`searches_in_step`, the module's rule)."""
         index = self.index
-        return (
-            self.in_step
-            and isinstance(index, DeviceIndex)
-            and index.axis == sharding.DATA_AXIS
-            and list(index.mesh.devices.flat) == list(mesh.devices.flat)
+        return isinstance(index, DeviceIndex) and searches_in_step(
+            self.in_step, index.mesh, index.axis, mesh
         )
 
     def for_step(self, next_doc_ids, vectors_fn, question_pieces, next_questions_fn, mesh):
@@ -197,7 +215,7 @@ class Retriever:
           questions)` for a search inside the step, else None).
         """
         if self.searches_in_step(mesh):
-            own = sharding.own_rows(next_doc_ids, mesh)  # -> [local B, N]
+            own = distributed.own_rows(next_doc_ids, mesh)  # -> [local B, N]
             return self.gather(own, question_pieces), (self.index, next_questions_fn())
         return self.retrieve(vectors_fn(), question_pieces, mesh), None
 

@@ -17,7 +17,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from rag_jax import data, metrics, rag, sharding
+from rag_jax import data, distributed, metrics, rag
 from rag_jax.retrieval import encode
 from rag_jax.retrieval.retriever import ClosedBook, Retrieved
 from rag_jax.training import optim
@@ -89,9 +89,9 @@ class Batcher:
     """Host-side batch assembly: tokens, labels and retrieval, deterministic in (seed, step).
 
     On several hosts each process assembles only its block of every global batch (rows
-    `sharding.process_block(mesh)`): its own questions, encoded in the global jitted call and
+    `distributed.process_block(mesh)`): its own questions, encoded in the global jitted call and
     searched in its own replica of a host index, or by all processes together in a `DeviceIndex`
-    that spans the pod; `sharding.shard_batch` then joins the blocks.
+    that spans the pod; `distributed.shard_batch` then joins the blocks.
     """
 
     def __init__(self, exp, mesh):
@@ -100,7 +100,7 @@ class Batcher:
         mesh: the `data` mesh batches are sharded over.
         """
         self.exp, self.mesh = exp, mesh
-        self.block, self.blocks = sharding.process_block(mesh)
+        self.block, self.blocks = distributed.process_block(mesh)
         self.embed = jax.jit(functools.partial(rag.question_embeddings, exp.rag_cfg))
         self._prepared: dict[int, tuple] = {}  # step -> its parameter-free host work
         self.memo = answer_memo(exp, mesh) if exp.config.train.answer_memo else None
@@ -128,7 +128,7 @@ class Batcher:
     def question_vectors(self, params, fields) -> jax.Array:
         """[B, D] question vectors of this process's rows `fields`, the global batch sharded
         over the mesh (a collective on several processes)."""
-        ids, mask = sharding.shard_batch(
+        ids, mask = distributed.shard_batch(
             self.mesh, (fields["question_input_ids"], fields["question_attention_mask"])
         )
         return self.embed(params, ids, mask)
@@ -141,7 +141,7 @@ class Batcher:
     def contexts(self, hits: Retrieved) -> tuple[np.ndarray, np.ndarray]:
         """The generator inputs [local B * N, W] of `hits`, W = `context_width` of the global
         batch (a collective on several processes: every process pads to the longest of all)."""
-        width = sharding.max_over_processes(
+        width = distributed.max_over_processes(
             context_width(
                 hits.context_attention_mask,
                 self.exp.rag_cfg.max_combined_length,
@@ -214,7 +214,7 @@ class Batcher:
         c = self.exp.config
         self.prepare(step)
         examples, fields, pieces, labels = self._prepared[step]
-        width = sharding.max_over_processes(  # every process pads to the global batch's longest
+        width = distributed.max_over_processes(  # every process pads to the global batch's longest
             label_width(
                 labels,
                 self.exp.rag_cfg.generator.pad_token_id,
@@ -228,7 +228,7 @@ class Batcher:
             state.next_doc_ids,
             lambda: self.question_vectors(state.params, fields),
             pieces,
-            lambda: sharding.shard_batch(self.mesh, self.question_fields(step + 1)),
+            lambda: distributed.shard_batch(self.mesh, self.question_fields(step + 1)),
             self.mesh,
         )
         self._prepared = {k: v for k, v in self._prepared.items() if k > step}
@@ -257,4 +257,4 @@ class Batcher:
                 [[retriever.store.text(int(j)) for j in row] for row in hits.doc_ids],
                 [self.exp.rag_cfg.n_docs],
             )
-        return TrainBatch(arrays, retrieval, sharding.sum_over_processes(recall))
+        return TrainBatch(arrays, retrieval, distributed.sum_over_processes(recall))

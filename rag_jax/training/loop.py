@@ -28,7 +28,17 @@ import ml_collections
 import numpy as np
 import tqdm
 
-from rag_jax import bundle, checkpoints, experiment, metrics, settings, sharding
+from rag_jax import (
+    bundle,
+    checkpoints,
+    device_memory,
+    distributed,
+    experiment,
+    metrics,
+    settings,
+    sharding,
+    validation,
+)
 from rag_jax.evaluation import evaluate, summary_metrics
 from rag_jax.models import flash
 from rag_jax.retrieval import files
@@ -66,18 +76,18 @@ def _check_memory(compiled, state: TrainState, exp: experiment.Experiment, mesh)
     shard = -(-index.nbytes // mesh.size) if isinstance(index, DeviceIndex) else 0
     host_index = getattr(exp.retriever, "vectors", np.zeros(0)).nbytes if not shard else 0
     layout = exp.config.train.param_sharding
-    parts = sharding.compiled_memory(
+    parts = device_memory.compiled_memory(
         compiled,
         {
-            f"parameters ({layout})": sharding.per_device_bytes(state.params),
-            "optimizer state": sharding.per_device_bytes(state.opt_state),
+            f"parameters ({layout})": device_memory.per_device_bytes(state.params),
+            "optimizer state": device_memory.per_device_bytes(state.opt_state),
             "index shard": shard,
         },
         rest="batch and the rest of the arguments",
     )
     need = parts["total"]
-    limit = sharding.device_memory_limit(mesh.devices.flat[0])
-    human = sharding.human_bytes
+    limit = device_memory.device_memory_limit(mesh.devices.flat[0])
+    human = device_memory.human_bytes
     rows = [*parts.items(), ("device memory", limit), ("host index (RAM of each host)", host_index)]
     if jax.process_index() == 0:
         print(f"train step memory per device, from XLA ({mesh.size} devices):", flush=True)
@@ -101,7 +111,7 @@ def _init_state(exp: experiment.Experiment, retriever, batcher: Batcher, tx, mes
     where = sharding.param_sharding(mesh, exp.params, exp.config.train.param_sharding)
     params = jax.device_put(exp.params, where)
     search = functools.partial(_first_search, exp.rag_cfg, params)
-    first = lambda: sharding.shard_batch(mesh, batcher.question_fields(0))  # noqa: E731
+    first = lambda: distributed.shard_batch(mesh, batcher.question_fields(0))  # noqa: E731
     return init_state(params, tx, retriever.initial_doc_ids(search, first, mesh))
 
 
@@ -187,7 +197,7 @@ def restore(workdir, config: ml_collections.ConfigDict | None = None, exp=None, 
     if restored is None:
         raise FileNotFoundError(f"no checkpoint in {checkpoints.checkpoint_dir(ckpt_root)}")
     state, step = restored
-    passage_params = sharding.state_to_host(state.params["passage_encoder"])
+    passage_params = distributed.state_to_host(state.params["passage_encoder"])
     return exp.with_retriever(passage_params), state, step
 
 
@@ -234,11 +244,12 @@ def _write_bundle(exp, state: TrainState, retriever, step: int, directory) -> No
         print(f"no bundle: a {type(retriever).__name__} run has no passages to bundle", flush=True)
         return
     if jax.process_index() == 0:
-        params = sharding.replicated_to_host(state.params)  # this process's own copy
+        params = distributed.replicated_to_host(state.params)  # this process's own copy
         written = bundle.save(directory, exp, params, retriever=retriever, step=step)
         size = sum(p.stat().st_size for p in directory.rglob("*") if p.is_file())
         print(
-            f"bundle: {directory} ({sharding.human_bytes(size)}, {len(written.store)} passages)",
+            f"bundle: {directory} ({device_memory.human_bytes(size)}, "
+            f"{len(written.store)} passages)",
             flush=True,
         )
 
@@ -261,12 +272,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir) -> dict:
       The summary: held-out recall@5 and EM before and after training, plus final metrics.
     """
     workdir = pathlib.Path(workdir).absolute()
-    sharding.maybe_initialize_distributed()
+    distributed.maybe_initialize_distributed()
     # First, before any work: a SIGTERM during the store build, the encoding or a warm start is a
     # preemption too, not an exit with nothing said.
     checkpoints.install_preemption_handler()
     mesh = device_mesh(config)
-    settings.validate(config, mesh.size)
+    validation.validate(config, mesh.size)
     try:
         exp = experiment.build(config, workdir)
     except checkpoints.Preempted as stopped:
@@ -301,7 +312,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir) -> dict:
     before_path = workdir / "eval_before.json"
     if not (config.eval.enabled and config.eval.before):
         before = {}
-    elif sharding.from_process0(before_path.is_file()):  # evaluate on all hosts or on none
+    elif distributed.from_process0(before_path.is_file()):  # evaluate on all hosts or on none
         before = json.loads(before_path.read_text()) if before_path.is_file() else {}
     else:
         before, _ = evaluate_now(state.params, retrievers.retriever)
@@ -322,7 +333,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir) -> dict:
             print(f"preempted: saved step {step}", flush=True)
             break
         batch = batcher.train_batch(state, step, retrievers.at(step, state.params))
-        inputs = (sharding.shard_batch(mesh, batch.arrays), batch.retrieval)
+        inputs = (distributed.shard_batch(mesh, batch.arrays), batch.retrieval)
         # training.inputs.context_width and label_width
         contexts = batch.arrays.get("context_input_ids")  # none with an answer memo
         width = (0 if contexts is None else contexts.shape[-1], batch.arrays["labels"].shape[-1])

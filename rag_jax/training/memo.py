@@ -58,7 +58,7 @@ def pair_logprobs(rag_cfg, generator_params, context_ids, context_mask, labels) 
     logits = causal.answer_logits(
         one, {"generator": generator_params}, context_ids, context_mask, labels
     )  # -> [M, T, V]
-    token_lp, _ = rag_math._token_logprobs(logits[:, None], labels)  # -> [M, 1, T]
+    token_lp, _ = rag_math.token_logprobs(logits[:, None], labels)  # -> [M, 1, T]
     return token_lp[:, 0]
 
 

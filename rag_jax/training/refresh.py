@@ -27,7 +27,7 @@ import pathlib
 import flax.serialization
 import jax
 
-from rag_jax import sharding
+from rag_jax import distributed, sharding
 from rag_jax.retrieval import files
 
 KEEP = 4  # refresh snapshots kept on disk (older ones cannot be needed by a resume)
@@ -121,7 +121,7 @@ class IndexRefresher:
             self.retriever = self.pending[1].result()
             self.pending, self.refreshes = None, self.refreshes + 1
         if step > 0 and step % self.every == 0:
-            snapshot = sharding.state_to_host(params["passage_encoder"])  # state is donated
+            snapshot = distributed.state_to_host(params["passage_encoder"])  # state is donated
             self._save(step, snapshot)
             self.pending = (step, self.pool.submit(self._build, snapshot))
         return self.retriever
@@ -131,7 +131,9 @@ class IndexRefresher:
         if self.pending is not None:
             self.pending[1].cancel()
             self.pending = None
-        self.retriever = self._build(sharding.state_to_host(params["passage_encoder"]), save=True)
+        self.retriever = self._build(
+            distributed.state_to_host(params["passage_encoder"]), save=True
+        )
         self.refreshes += 1
         self.pool.shutdown(wait=True)
         return self.retriever

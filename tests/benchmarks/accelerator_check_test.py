@@ -1,4 +1,5 @@
-"""benchmarks/accelerator_check.py: FLOP count, batch search, peaks, and a smoke run end to end.
+"""benchmarks/accelerator_check.py: FLOP count and peaks (benchmarks.flops), batch search, and a
+smoke run end to end (benchmarks.accelerator, benchmarks.search_check).
 
 The analytic FLOP count is checked against an independent count: the matmuls (`dot_general`)
 in the jaxpr of the very loss the step differentiates, with tiny distinct dimensions.
@@ -16,7 +17,7 @@ import numpy as np
 import pytest
 
 from benchmarks import accelerator as ac
-from benchmarks import floor
+from benchmarks import floor, flops
 from rag_jax import rag
 from rag_jax.models import bart, bert
 
@@ -48,7 +49,7 @@ def test_train_flops_counts_exactly_the_matmuls_of_the_loss():
         "labels": rng.integers(3, 37, (B, T)),
     }
     loss = lambda p: rag.loss_fn(cfg, p, batch, "sequence")[0]
-    counted = ac.train_flops(q_cfg, g_cfg, B, n_docs=N, question=Q, context=S, target=T)
+    counted = flops.train_flops(q_cfg, g_cfg, B, n_docs=N, question=Q, context=S, target=T)
 
     assert counted["forward"] == _matmul_flops(jax.make_jaxpr(loss)(params).jaxpr)
     assert counted["train"] == 3 * counted["forward"]
@@ -117,15 +118,15 @@ def test_find_largest_batch_when_nothing_fits():
     ],
 )
 def test_device_peaks(kind, tflops, gbps):
-    peaks = ac.device_peaks(kind)
+    peaks = flops.device_peaks(kind)
     assert (peaks["tflops"], peaks["gbps"]) == (tflops, gbps)
     assert (peaks["source"] is None) == (tflops is None)
 
 
 def test_device_peaks_overrides():
-    assert ac.device_peaks("NVIDIA H200", gbps=4000.0)["gbps"] == 4000.0
-    assert ac.device_peaks("NVIDIA H200", gbps=4000.0)["tflops"] == 989.0
-    assert ac.device_peaks("cpu", 2.0, 30.0) == {
+    assert flops.device_peaks("NVIDIA H200", gbps=4000.0)["gbps"] == 4000.0
+    assert flops.device_peaks("NVIDIA H200", gbps=4000.0)["tflops"] == 989.0
+    assert flops.device_peaks("cpu", 2.0, 30.0) == {
         "tflops": 2.0,
         "gbps": 30.0,
         "source": "command line",

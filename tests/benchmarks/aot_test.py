@@ -10,9 +10,9 @@ import jax
 import numpy as np
 import pytest
 
-from benchmarks import aot, hlo
+from benchmarks import aot, hbm_fit, hlo, tpu_topology
 from experiments.configs import nq
-from rag_jax import experiment, sharding
+from rag_jax import experiment, model_setup, sharding
 from rag_jax.training.batcher import Batcher, batch_shapes
 from tiny_runs import first_batch, tiny_config
 
@@ -124,9 +124,10 @@ def test_shape_bytes_reads_dtypes_tuples_and_memory_spaces():
 def test_out_of_memory_messages_of_the_tpu_compiler():
     older = "RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in memory space hbm. Used 20.50G of 15.75G hbm. Exceeded hbm capacity by 4.75G."  # noqa: E501
     newer = "RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO temporaries (18.00G) exceeds available HBM (15.75G)."  # noqa: E501
-    assert aot.out_of_memory(RuntimeError(older)) == (int(20.5 * 2**30), int(15.75 * 2**30))
-    assert aot.out_of_memory(RuntimeError(newer)) == (18 * 2**30, int(15.75 * 2**30))
-    assert aot.out_of_memory(RuntimeError("INVALID_ARGUMENT: shapes differ")) is None
+    out_of_memory = tpu_topology.out_of_memory
+    assert out_of_memory(RuntimeError(older)) == (int(20.5 * 2**30), int(15.75 * 2**30))
+    assert out_of_memory(RuntimeError(newer)) == (18 * 2**30, int(15.75 * 2**30))
+    assert out_of_memory(RuntimeError("INVALID_ARGUMENT: shapes differ")) is None
 
 
 @pytest.mark.parametrize(
@@ -147,7 +148,7 @@ def test_largest_batch_finds_the_boundary(fixed, per_example, wobble):
                 "compile_s": 0.0}  # fmt: skip
 
     truth = max((b for b in range(chips, 4096, chips) if need(b) <= hbm), default=None)
-    found = aot.largest_batch(measure, chips, hbm, probes=(128, 256))
+    found = hbm_fit.largest_batch(measure, chips, hbm, probes=(128, 256))
     assert found["batch"] == truth
     if truth:  # a batch that fits next to one that does not: compiled, not extrapolated
         assert found["proved"] and truth in calls and truth + chips in calls
@@ -171,7 +172,7 @@ def tiny(tmp_path_factory):
 
 def test_model_shapes_are_the_built_experiments(tiny):
     config, exp = tiny
-    rag_cfg, passage_cfg, shapes, sources = experiment.model_shapes(config)
+    rag_cfg, passage_cfg, shapes, sources = model_setup.model_shapes(config)
     assert rag_cfg == exp.rag_cfg and passage_cfg == exp.passage_cfg
     built = jax.tree.map(lambda x: (x.shape, np.dtype(x.dtype)), exp.params)
     assert jax.tree.map(lambda x: (x.shape, np.dtype(x.dtype)), shapes) == built
@@ -187,7 +188,7 @@ def test_model_shapes_take_the_settings_build_applies_after_loading(tmp_path):
                 "model.generator_frozen_encoder_layers": -1}  # fmt: skip
     config = tiny_config(**settings)
     exp = experiment.build(config, tmp_path)
-    rag_cfg, passage_cfg, shapes, _ = experiment.model_shapes(config)
+    rag_cfg, passage_cfg, shapes, _ = model_setup.model_shapes(config)
     assert rag_cfg == exp.rag_cfg and passage_cfg == exp.passage_cfg
     assert rag_cfg.question_encoder.pooling == passage_cfg.pooling == "mean"
     assert rag_cfg.generator.frozen_encoder_layers == rag_cfg.generator.encoder_layers
@@ -217,7 +218,7 @@ def test_paper_config_plans_without_its_checkpoints():
     from transformers import BartConfig, BartModel, DPRConfig, DPRQuestionEncoder
 
     config = nq.get_config()
-    rag_cfg, _, shapes, sources = experiment.model_shapes(config)
+    rag_cfg, _, shapes, sources = model_setup.model_shapes(config)
     assert "is not on this machine" in sources["generator"]
     count = lambda tree: sum(math.prod(x.shape) for x in jax.tree.leaves(tree))  # noqa: E731
     with torch.device("meta"):
@@ -236,20 +237,20 @@ def test_a_checkpoint_absent_without_an_architecture_is_an_error():
     config.model.generator = dict(d_model=64)  # no vocab_size: nothing to plan from
     with pytest.raises(ValueError, match=r"facebook/bart-large.* is not on this machine.*"
                        r"config\.model\.generator"):  # fmt: skip
-        experiment.model_shapes(config)
+        model_setup.model_shapes(config)
 
 
 def test_missing_libtpu_says_what_to_install(monkeypatch):
-    monkeypatch.setattr(aot, "has_libtpu", lambda: False)
+    monkeypatch.setattr(tpu_topology, "has_libtpu", lambda: False)
     with pytest.raises(
-        aot.PlanError, match=r"libtpu is not installed.*pip install 'rag_jax\[tpu\]'"
+        tpu_topology.PlanError, match=r"libtpu is not installed.*pip install 'rag_jax\[tpu\]'"
     ):
-        aot.target("v5e:2x2")
+        tpu_topology.target("v5e:2x2")
 
 
 def test_unknown_topology_names_the_forms_it_takes():
-    with pytest.raises(aot.PlanError, match=r"unknown TPU topology 'v9:2x2'.*v5e:2x4"):
-        aot.target("v9:2x2")
+    with pytest.raises(tpu_topology.PlanError, match=r"unknown TPU topology 'v9:2x2'.*v5e:2x4"):
+        tpu_topology.target("v9:2x2")
 
 
 def test_the_tpu_extra_is_at_the_jax_pin():
@@ -266,5 +267,7 @@ def test_the_tpu_extra_is_at_the_jax_pin():
 
 def test_an_index_of_more_rows_than_int32_ids_is_refused():
     config = tiny_config(**{"retrieval.index_rows": 2**31})
-    with pytest.raises(aot.PlanError, match=r"index_rows=2147483648 but passage ids are int32"):
+    with pytest.raises(
+        tpu_topology.PlanError, match=r"index_rows=2147483648 but passage ids are int32"
+    ):
         aot.plan(config)

@@ -1,5 +1,5 @@
 """The TPU compile tool's parts for a causal (Llama) generator under fsdp that need no TPU
-compiler: the analytic FLOP count of its train step, `benchmarks.aot.causal_train_flops`, against
+compiler: the analytic FLOP count of its train step, `benchmarks.flops.causal_train_flops`, against
 an independent count (the matmuls, `dot_general`, in the jaxpr of the trainer's own loss and of
 its gradient, with tiny distinct dimensions: grouped key/value heads, an untied head; all of it
 trained, the bottom layers frozen, or the generator frozen whole); and what `benchmarks.hlo`
@@ -13,7 +13,7 @@ import jax
 import numpy as np
 import pytest
 
-from benchmarks import aot, floor, hlo
+from benchmarks import floor, flops, hlo
 from rag_jax import rag
 from rag_jax.models import bert, llama
 from rag_jax.training.step import joint_loss_fn
@@ -52,7 +52,7 @@ def _counts(cfg, params, batch, frozen: str):
     forward = _matmul_flops(jax.make_jaxpr(loss)(params).jaxpr)
     step = _matmul_flops(jax.make_jaxpr(jax.value_and_grad(loss))(params).jaxpr)
     shapes = dict(n_docs=N, question=Q, context=S, target=T)
-    counted = aot.step_flops(cfg.question_encoder, cfg.generator, B, frozen=frozen, **shapes)
+    counted = flops.step_flops(cfg.question_encoder, cfg.generator, B, frozen=frozen, **shapes)
     return forward, step, counted
 
 

@@ -20,15 +20,16 @@ import sys
 import jax
 import pytest
 
-from benchmarks import aot
-from rag_jax import sharding
+from benchmarks import aot, hbm_fit, tpu_topology
+from benchmarks.flops import causal_train_flops
+from rag_jax import device_memory, sharding
 from rag_jax.training import loop
 from tiny_runs import tiny_config
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 TOPOLOGY = "v5e:2x2"
 
-if not aot.has_libtpu():
+if not tpu_topology.has_libtpu():
     if os.environ.get("RAG_JAX_REQUIRE_LIBTPU") == "1":
         raise RuntimeError("RAG_JAX_REQUIRE_LIBTPU=1 but libtpu is not installed")
     pytest.skip("libtpu is not installed (pip install 'rag_jax[tpu]')", allow_module_level=True)
@@ -40,7 +41,7 @@ def _config(**overrides):
 
 @pytest.fixture(scope="module")
 def target():
-    return aot.target(TOPOLOGY)
+    return tpu_topology.target(TOPOLOGY)
 
 
 @pytest.fixture(scope="module")
@@ -76,9 +77,9 @@ def test_memory_parts_add_up_and_match_the_arguments(rows, name):
     if name != "fsdp":  # fsdp's 16-wide shards pad far more, in this tiny model only
         assert memory["other arguments"] <= named
     p = rows["plan"]
-    whole = sharding.tree_bytes(p.params)
+    whole = device_memory.tree_bytes(p.params)
     if name == "generate":  # generation reads the question tower and the generator only
-        whole = sum(sharding.tree_bytes(p.params[k]) for k in aot.GENERATION_PARAMS)
+        whole = sum(device_memory.tree_bytes(p.params[k]) for k in aot.GENERATION_PARAMS)
     if name == "fsdp":  # every array with a dimension 4 divides is split four ways
         assert row["arguments"]["parameters"] < 0.3 * whole
     else:
@@ -126,7 +127,7 @@ def test_a_config_that_cannot_fit_says_which_part_and_what_would(target):
     p = aot.plan(_config(**{"retrieval.index_rows": 2**30, "retrieval.index_dtype": "float32"}))
     row = aot.train_row(p, target, 8, in_step=True)
     assert not row["fits"] and "xla_error" in row  # the compiler's refusal, as a result
-    tips = aot.advice(row, target, [])
+    tips = hbm_fit.advice(row, target, [])
     assert tips["largest_part"] == "index shard"
     assert tips["over_by_bytes"] == tips["needed_bytes"] - target.hbm_bytes > 40 * 2**30
     assert tips["chips_needed_at_least"] >= 2**30 * 64 * 4 // target.hbm_bytes
@@ -161,7 +162,10 @@ def test_the_state_compiled_for_is_the_trainers(rows):
     p = rows["plan"]
     mesh = sharding.data_mesh(jax.devices()[:1])
     state = loop.abstract_state(p.config, p.params, p.tx, mesh, in_step=False)
-    assert sharding.per_device_bytes(state.params) == rows["replicated"]["arguments"]["parameters"]
+    assert (
+        device_memory.per_device_bytes(state.params)
+        == rows["replicated"]["arguments"]["parameters"]
+    )
 
 
 # A tiny Llama architecture (grouped key/value heads, tied head): planning reads config.json only.
@@ -208,7 +212,7 @@ def test_a_causal_generator_compiles_and_its_report_adds_up(causal):
         assert row["fits"] and memory["total"] == sum(v for k, v in memory.items() if k != "total")
         assert all(v >= 0 for v in memory.values()), memory
         assert row["host_transfers"] == []
-    whole = sharding.tree_bytes(p.params)
+    whole = device_memory.tree_bytes(p.params)
     assert train["arguments"]["parameters"] < 0.3 * whole  # fsdp: split four ways
     collectives = train["collectives"]
     assert collectives["all-gather"] > 0 and collectives["gradient_sync_bytes"] > 0
@@ -224,7 +228,7 @@ def test_a_causal_generators_flops_are_the_llama_count(causal):
         context=p.rag_cfg.max_combined_length,
         target=config.data.answer_length,
     )
-    count = aot.causal_train_flops(p.rag_cfg.question_encoder, p.rag_cfg.generator, b, **shapes)
+    count = causal_train_flops(p.rag_cfg.question_encoder, p.rag_cfg.generator, b, **shapes)
     flops = train["flops"]
     assert flops["model"] == count["train"] and flops["recompute"] == count["recompute"] > 0
     assert flops["agree_within_10pct"], flops

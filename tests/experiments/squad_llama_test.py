@@ -11,7 +11,7 @@ import transformers
 from configs_test import load_config
 
 import hf_fixtures
-from rag_jax import bundle, experiment, hf, hf_export, hf_llama, rag, settings
+from rag_jax import bundle, experiment, hf, hf_export, hf_llama, model_setup, rag, validation
 from rag_jax.retrieval.retriever import ClosedBook
 from rag_jax.training import loop
 from squad_subset import squad_subset
@@ -66,7 +66,7 @@ def test_squad_llama_builds_trains_and_answers(shared_data, tmp_path, tiny_reade
     config.warm_start.reader_batch_size = 2
     config.warm_start.reader_trained_layers = 1
     config.warm_start.cache_dir = str(tmp_path / "cache")
-    settings.validate(config, num_devices=1)
+    validation.validate(config, num_devices=1)
 
     exp = experiment.build(config, tmp_path / "build")
     assert exp.rag_cfg.causal and exp.rag_cfg.bos_token_id is None
@@ -90,7 +90,7 @@ def test_squad_llama_builds_trains_and_answers(shared_data, tmp_path, tiny_reade
     assert text.endswith(f"\nQuestion: {question}<|im_end|>\n<|im_start|>assistant\n")
     # Closed book: the same prompt without the context.
     closed = ClosedBook(
-        tok, 8, max_combined_length=64, prefix=experiment.closed_book_prefix(exp.rag_cfg)
+        tok, 8, max_combined_length=64, prefix=model_setup.closed_book_prefix(exp.rag_cfg)
     )(None, pieces)
     closed_text = tok.decode(closed.context_input_ids[0][closed.context_attention_mask[0] == 1])
     head = text.split("Context: ")[0]  # the chat template up to the user's message

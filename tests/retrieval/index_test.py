@@ -1,5 +1,6 @@
-"""rag_jax.retrieval.index: exact search against numpy brute force, ScaNN recall against exact,
-sharded search on 8 fake devices against exact, save/load round trips, and bad input.
+"""rag_jax.retrieval.index and the indexes beside it (scann_index, device_index, index_format):
+exact search against numpy brute force, ScaNN recall against exact, sharded search on 8 fake
+devices against exact, save/load round trips, and bad input.
 
 Legend: B queries, C corpus size, D width, k neighbours. Small dimensions are distinct (B=5,
 C=103, D=12) so a swapped axis fails loudly; C is prime, so no chunk size or device count
@@ -18,7 +19,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from rag_jax.retrieval import index
+from rag_jax.retrieval import index, scann_index
 from rag_jax.retrieval.device_index import DeviceIndex
 
 B, C, D = 5, 103, 12
@@ -115,10 +116,10 @@ def test_exact_low_precision_storage_computes_in_float32(dtype):
 
 
 def test_scann_defaults_follow_scann_rules_of_thumb():
-    assert index.scann_defaults(19_999)["scoring"] == "brute_force"
-    mid = index.scann_defaults(50_000)
+    assert scann_index.scann_defaults(19_999)["scoring"] == "brute_force"
+    mid = scann_index.scann_defaults(50_000)
     assert (mid["scoring"], mid["num_leaves"], mid["reorder"]) == ("ah", 0, 100)
-    big = index.scann_defaults(1_000_000)
+    big = scann_index.scann_defaults(1_000_000)
     assert (big["scoring"], big["num_leaves"], big["num_leaves_to_search"]) == ("ah", 1000, 50)
 
 

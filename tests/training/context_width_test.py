@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rag_jax import evaluation, experiment, rag, settings, sharding
+from rag_jax import evaluation, experiment, rag, sharding, validation
 from rag_jax.training import loop
 from rag_jax.training.batcher import Batcher
 from rag_jax.training.inputs import context_width
@@ -36,7 +36,7 @@ def test_width_is_the_longest_context_rounded_up(lengths, multiple, expected):
 
 def test_a_negative_multiple_is_refused():
     with pytest.raises(ValueError, match="context_pad_multiple must be >= 0"):
-        settings.validate(tiny_config(**{"rag.context_pad_multiple": -16}), 1)
+        validation.validate(tiny_config(**{"rag.context_pad_multiple": -16}), 1)
 
 
 @pytest.fixture(scope="module")

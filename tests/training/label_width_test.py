@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rag_jax import experiment, rag, settings, sharding
+from rag_jax import experiment, rag, sharding, validation
 from rag_jax.training import loop
 from rag_jax.training.batcher import Batcher
 from rag_jax.training.inputs import label_width
@@ -41,7 +41,7 @@ def test_width_is_the_longest_label_rounded_up(lengths, multiple, expected):
 
 def test_a_negative_multiple_is_refused():
     with pytest.raises(ValueError, match="answer_pad_multiple must be >= 0"):
-        settings.validate(tiny_config(**{"data.answer_pad_multiple": -8}), 1)
+        validation.validate(tiny_config(**{"data.answer_pad_multiple": -8}), 1)
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ import jax
 import numpy as np
 import pytest
 
-from rag_jax import checkpoints, experiment, sharding
+from rag_jax import checkpoints, device_memory, experiment
 from rag_jax.training import loop
 from tiny_runs import _flat, tiny_config
 
@@ -84,9 +84,7 @@ def _run_script(workdir, extra, env=None):
 
 
 def test_a_step_too_large_for_the_device_fails_before_it_runs(tmp_path, capsys, monkeypatch):
-    from rag_jax import sharding
-
-    monkeypatch.setattr(sharding, "device_memory_limit", lambda device=None: 2**20)  # 1 MiB
+    monkeypatch.setattr(device_memory, "device_memory_limit", lambda device=None: 2**20)  # 1 MiB
     config = tiny_config(**{"eval.enabled": False})
     with pytest.raises(ValueError, match=r"needs .* per device but the device has 1.00 MiB"):
         loop.train_and_evaluate(config, tmp_path)
@@ -196,7 +194,7 @@ def test_fsdp_trains_to_the_replicated_parameters(tmp_path):
         divisible = any(d % 8 == 0 for d in leaf.shape)
         assert ("data" in leaf.sharding.spec) == divisible, (leaf.shape, leaf.sharding.spec)
     whole = sum(leaf.nbytes for leaf in leaves)
-    assert sharding.per_device_bytes(leaves) < 0.2 * whole
+    assert device_memory.per_device_bytes(leaves) < 0.2 * whole
     assert all(leaf.sharding.is_fully_replicated for leaf in jax.tree.leaves(results["replicated"]))
     replicated, fsdp = _flat(results["replicated"].params), _flat(results["fsdp"].params)
     # The momentum is the sum of the steps' gradients: far from zero, the parameters moved.

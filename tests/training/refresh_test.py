@@ -11,7 +11,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rag_jax import bundle, checkpoints, evaluation, experiment, rag, settings, sharding, synthetic
+from rag_jax import (
+    bundle,
+    checkpoints,
+    distributed,
+    evaluation,
+    experiment,
+    rag,
+    synthetic,
+    validation,
+)
 from rag_jax.retrieval import encode, retriever
 from rag_jax.training import loop
 from rag_jax.training.batcher import Batcher
@@ -71,10 +80,10 @@ def test_refresh_trains_the_passage_encoder_and_resumes_bitwise(tmp_path, monkey
 def test_refresh_config_errors(tmp_path):
     frozen = refresh_config(tmp_path, **{"train.freeze": r"^(passage_encoder/)"})
     with pytest.raises(ValueError, match="refresh_every=2 is for a trainable passage encoder"):
-        settings.validate(frozen, 1)
+        validation.validate(frozen, 1)
     stale = refresh_config(tmp_path, **{"retrieval.refresh_every": 0})
     with pytest.raises(ValueError, match="index would go stale"):
-        settings.validate(stale, 1)
+        validation.validate(stale, 1)
 
 
 def test_missing_refresh_snapshot_is_named(tmp_path):
@@ -201,7 +210,7 @@ def test_a_restore_searches_the_trained_passage_encoders_saved_index(refreshed_r
     exp, state, step = loop.restore(workdir)
     assert step == 5 and encodes == []  # the run's final index was loaded, not encoded again
     trained = encode.encoder_fingerprint(
-        exp.passage_cfg, sharding.replicated_to_host(state.params["passage_encoder"])
+        exp.passage_cfg, distributed.replicated_to_host(state.params["passage_encoder"])
     )
     initial = encode.encoder_fingerprint(exp.passage_cfg, exp.params["passage_encoder"])
     assert trained != initial  # the passage encoder did train
