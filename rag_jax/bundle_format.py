@@ -43,8 +43,9 @@ from safetensors.numpy import load_file, save_file
 from rag_jax import hf, rag
 from rag_jax.models import bart, bert, llama
 from rag_jax.retrieval import files
-from rag_jax.retrieval.index import ExactIndex, ScannIndex
+from rag_jax.retrieval.index import ExactIndex
 from rag_jax.retrieval.retriever import PassageEncoder, Retriever
+from rag_jax.retrieval.scann_index import ScannIndex
 from rag_jax.retrieval.store import PassageStore, tokenizer_fingerprint
 
 FORMAT = "rag_jax.bundle"
@@ -189,16 +190,27 @@ def _aside(directory: pathlib.Path, kind: str) -> list[pathlib.Path]:
 
 def restore(directory) -> bool:
     """Puts back the bundle a crash between `files.swap_dir`'s two renames left aside (in
-    `.<name>.old.*/<name>`) when `directory` is missing; whether it did."""
+    `.<name>.old.*/<name>`) when `directory` is missing; whether it did.
+
+    The newest such folder holds it: an older one is an earlier bundle that a crash after its
+    swap left, whole or half removed (putting it back would lose the edits since, or fail)."""
     directory = pathlib.Path(directory).absolute()
     if directory.exists():
         return False
-    for old in _aside(directory, "old"):
+    for old in sorted(_aside(directory, "old"), key=_set_aside_at, reverse=True):
         if (old / directory.name / files.MANIFEST).is_file():
             os.rename(old / directory.name, directory)
             files.fsync_dir(directory.parent)
             return True
     return False
+
+
+def _set_aside_at(folder: pathlib.Path) -> int:
+    """When a bundle was renamed into `folder` (its mtime, ns; -1: removed meanwhile)."""
+    try:
+        return folder.stat().st_mtime_ns
+    except FileNotFoundError:
+        return -1
 
 
 def remove_stale(directory, min_age_s: float = 60.0) -> list[pathlib.Path]:
