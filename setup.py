@@ -30,8 +30,8 @@ setup(
         "array-record>=0.5",
     ],
     extras_require={
-        # experiments/serve.py: the HTTP server (an ASGI app under uvicorn).
-        "serve": ["fastapi>=0.115", "uvicorn>=0.30"],
+        # experiments/serve.py: the HTTP server (an ASGI app under uvicorn), its /metrics.
+        "serve": ["fastapi>=0.115", "uvicorn>=0.30", "prometheus-client>=0.20,<1"],
         "test": [
             # The exact CPU wheel: a looser torch pin pulls a multi-GB CUDA build.
             "torch==2.13.0",
@@ -45,6 +45,7 @@ setup(
             "matplotlib>=3.8",  # experiments/feedback_loop.py's plot
             "fastapi>=0.115",  # the server's tests (the [serve] extra) and their HTTP client
             "uvicorn>=0.30",
+            "prometheus-client>=0.20,<1",
             "httpx>=0.27",
             "accelerate",  # transformers needs it to load a GGUF model (tests/hf_llama_test.py)
         ],

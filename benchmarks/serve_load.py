@@ -10,7 +10,7 @@ index of the same vectors) with a minimal FastAPI app that answers each request 
 client uses them all). The same client, 16 concurrent connections, sends each `--requests`
 one-question requests (the run's held-out questions, in turn) after a warm-up; it reports
 requests/s, p50/p99 latency, errors, how often the two servers' answers agree, and from our
-server's /metrics the batch sizes and whether anything compiled under load. Writes
+server's /v1/metrics the batch sizes and whether anything compiled under load. Writes
 `bench_results/serve_load.json`.
 
 `--hf_server DIR --port P` is the baseline server itself (started by the run).
@@ -90,9 +90,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _start(args: list[str], log: pathlib.Path) -> tuple[subprocess.Popen, str]:
+def _start(args: list[str], log: pathlib.Path, **env) -> tuple[subprocess.Popen, str]:
     port = _free_port()
-    env = dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu")
+    env = dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu", **env)
     with open(log, "w") as out:
         process = subprocess.Popen(
             [sys.executable, *args, "--port", str(port)],
@@ -104,19 +104,26 @@ def _start(args: list[str], log: pathlib.Path) -> tuple[subprocess.Popen, str]:
     return process, f"http://127.0.0.1:{port}"
 
 
-def _wait_ready(process, url: str, log: pathlib.Path, timeout: float = 900.0) -> float:
+def _wait_ready(process, url: str, log: pathlib.Path, timeout: float = 900.0) -> dict:
+    """Seconds from now until `/healthz` answers 200 ("ready_s") and, for our server, until it
+    says every program is compiled ("compiled_s": it turns ready first, then compiles the other
+    batch buckets and context widths in the background)."""
     import httpx
 
-    start = time.monotonic()
+    start, out = time.monotonic(), {}
     while time.monotonic() - start < timeout:
         if process.poll() is not None:
             raise RuntimeError(f"{url} exited:\n{log.read_text()[-3000:]}")
         try:
-            if httpx.get(f"{url}/healthz", timeout=2).status_code == 200:
-                return time.monotonic() - start
+            health = httpx.get(f"{url}/healthz", timeout=2)
+            if health.status_code == 200:
+                out.setdefault("ready_s", round(time.monotonic() - start, 1))
+                if health.json().get("compiled", True):
+                    out["compiled_s"] = round(time.monotonic() - start, 1)
+                    return out
         except httpx.TransportError:
             pass
-        time.sleep(0.5)
+        time.sleep(0.2)
     raise TimeoutError(f"{url} not ready after {timeout} s")
 
 
@@ -174,7 +181,8 @@ def run(args) -> dict:
     questions = _questions(bundle_dir, args.questions)
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="serve_load_"))
     model = bundle.load(bundle_dir)
-    model.to_hf(tmp / "hf")
+    if args.requests:
+        model.to_hf(tmp / "hf")
     setting = {
         "variant": model.settings.variant,
         "num_beams": model.rag_cfg.generation.num_beams,
@@ -187,18 +195,27 @@ def run(args) -> dict:
         + [f"--max_batch={args.max_batch}", f"--max_wait_ms={args.max_wait_ms}"],
         "transformers": [__file__, "--hf_server", str(tmp / "hf"), f"--threads={args.threads}"],
     }
+    # Our server's compiled programs: in a cache of this run's own with --cold (compiled from
+    # nothing, as a first start), else in the usual persistent cache (`enable_compilation_cache`).
+    cache = {"RAG_JAX_COMPILATION_CACHE": str(tmp / "jax_cache")} if args.cold else {}
+    if not args.requests:  # the start-up alone
+        servers = {"rag_jax": servers["rag_jax"]}
     results = {"setting": setting, "clients": args.clients, "load_before": os.getloadavg()}
     for name, command in servers.items():
         log = tmp / f"{name}.log"
-        process, url = _start(command, log)
+        process, url = _start(command, log, **(cache if name == "rag_jax" else {}))
         try:
-            ready_s = _wait_ready(process, url, log)
+            started = _wait_ready(process, url, log)
+            if not args.requests:
+                results[name] = result = started
+                continue
             asyncio.run(_load(url, questions, args.warmup, args.clients))  # warm-up, untimed
-            before = httpx.get(f"{url}/metrics").json() if name == "rag_jax" else None
+            before = httpx.get(f"{url}/v1/metrics").json() if name == "rag_jax" else None
+            load = os.getloadavg()
             result = asyncio.run(_load(url, questions, args.requests, args.clients))
-            result["ready_s"] = round(ready_s, 1)
+            result.update(started, load_before=load, load_after=os.getloadavg())
             if before is not None:
-                after = httpx.get(f"{url}/metrics").json()
+                after = httpx.get(f"{url}/v1/metrics").json()
                 result["compiles_under_load"] = after["compiles"] - before["compiles"]
                 b0, b1 = before["batches"], after["batches"]
                 result["mean_batch"] = round(
@@ -209,6 +226,8 @@ def run(args) -> dict:
             process.terminate()
             process.wait(60)
         print(name, {k: v for k, v in result.items() if k != "answers"}, flush=True)
+    if not args.requests:
+        return results
     ours, ref = results["rag_jax"], results["transformers"]
     same = [q for q in ref["answers"] if ours["answers"].get(q) == ref["answers"][q]]
     results["answers_agree"] = f"{len(same)}/{len(ref['answers'])}"
@@ -223,12 +242,17 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--bundle", default="/tmp/rag_default/bundle", help="a bundle folder")
     parser.add_argument("--questions", default=None, help="JSONL with 'question' fields")
-    parser.add_argument("--requests", type=int, default=2000, help="timed requests per server")
+    parser.add_argument(
+        "--requests", type=int, default=2000, help="timed requests per server; 0: our start-up only"
+    )
     parser.add_argument("--warmup", type=int, default=64, help="untimed requests first")
     parser.add_argument("--clients", type=int, default=16, help="concurrent connections")
     parser.add_argument("--max_batch", type=int, default=16, help="our server's --max_batch")
     parser.add_argument("--max_wait_ms", type=float, default=3.0, help="our --max_wait_ms")
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads")
+    parser.add_argument(
+        "--cold", action="store_true", help="our server compiles from nothing (its own cache)"
+    )
     parser.add_argument("--out", default="bench_results/serve_load.json")
     parser.add_argument("--hf_server", default=None, help="(internal) serve this HF export")
     parser.add_argument("--port", type=int, default=0, help="(internal) the HF server's port")

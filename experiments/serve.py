@@ -6,15 +6,17 @@ r"""Serves a trained bundle over HTTP: answers with their provenance, knowledge 
         -d '{"questions": ["where was resa nemobu born ?"], "variant": "token"}'
 
 Binds to 127.0.0.1 unless `--host` says otherwise; open http://127.0.0.1:8000/ for the page and
-/docs or /openapi.json for the API. `/healthz` answers 200 once the programs are compiled (a few
-seconds to a minute: every batch bucket up to `--max_batch`, every context width). The routes,
-the batching and the errors: `rag_jax.serving.app`.
+/docs or /openapi.json for the API. `/healthz` answers 200 once the first programs are compiled
+(the largest batch bucket at the widest context, which every batch pads up to: 15-25 s from a
+cold start on 2 CPU cores); the other buckets and widths compile in the background while it
+answers, and `/healthz` says `"compiled": true` once they all are; `/metrics`
+is for Prometheus, `/v1/metrics` the same counters in JSON. The routes, the batching, the
+errors and the timeouts: `rag_jax.serving.app`.
 """
 
 from absl import app, flags, logging
 
 from rag_jax import host
-from rag_jax.serving import app as serving
 
 _BUNDLE = flags.DEFINE_string("bundle", None, "a bundle folder (<workdir>/bundle)", required=True)
 _HOST = flags.DEFINE_string("host", "127.0.0.1", "address to bind (loopback by default)")
@@ -39,10 +41,16 @@ _HOSTS = flags.DEFINE_multi_string(
 )
 _KEEP_ALIVE = flags.DEFINE_float("keep_alive_s", 5.0, "idle connections closed after (s)")
 _CONNECTIONS = flags.DEFINE_integer("max_connections", 256, "open connections (503 beyond)")
+_HEADER_TIMEOUT = flags.DEFINE_float("header_timeout_s", 10.0, "request head deadline (s)")
+_BODY_TIMEOUT = flags.DEFINE_float("body_timeout_s", 30.0, "request body deadline (s)")
 
 
 def main(argv):
     del argv
+    # Imported here, not above: `restart_with_host_settings` re-executes the process first, and
+    # the server's imports (JAX, FastAPI) would otherwise be paid twice before it can start.
+    from rag_jax.serving import app as serving
+
     logging.set_verbosity(logging.WARNING)
     serving.serve(
         serving.ServerConfig(
@@ -63,6 +71,8 @@ def main(argv):
             allowed_hosts=tuple(_HOSTS.value),
             keep_alive_s=_KEEP_ALIVE.value,
             max_connections=_CONNECTIONS.value,
+            header_timeout_s=_HEADER_TIMEOUT.value,
+            body_timeout_s=_BODY_TIMEOUT.value,
         )
     )
 

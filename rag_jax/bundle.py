@@ -38,8 +38,9 @@ from rag_jax import bundle_format, causal, hf_export, rag, rag_math
 from rag_jax.bundle_format import Settings
 from rag_jax.retrieval import files
 from rag_jax.retrieval.corpus import Passage, check_record, corpus_checksum
-from rag_jax.retrieval.index import ExactIndex, ScannIndex
+from rag_jax.retrieval.index import ExactIndex
 from rag_jax.retrieval.retriever import PassageEncoder, Retriever
+from rag_jax.retrieval.scann_index import ScannIndex
 from rag_jax.retrieval.store import PassageStore
 from rag_jax.training.inputs import context_width, question_tokens
 
@@ -84,6 +85,33 @@ class Answer:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class AnswerSetting:
+    """What questions are answered with: one generation and one scoring program per shape."""
+
+    variant: str  # "sequence" | "token"
+    num_beams: int
+    n_docs: int  # N
+    sequence_decoding: str  # RAG-Sequence "thorough" | "fast"
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class PreparedQuestion:
+    """A question after `Bundle.prepare` (the host work): what `Bundle.generate` answers it from,
+    all read from one snapshot of the knowledge."""
+
+    question: str
+    setting: AnswerSetting
+    store: PassageStore  # the snapshot its passages were retrieved from (their texts)
+    q_ids: np.ndarray  # [Q] int32 question-encoder tokens
+    q_mask: np.ndarray  # [Q] int32
+    doc_ids: np.ndarray  # [N] int64 rows of `store`, best first
+    doc_vectors: np.ndarray  # [N, D] float32 their stored vectors
+    ctx: np.ndarray  # [N, S] int32 generator contexts (passage, then question), padded
+    ctx_mask: np.ndarray  # [N, S] int32
+    truncated: bool  # the question was longer than the question encoder's Q tokens
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,8 +187,14 @@ class Bundle:
         # A fast tokenizer keeps truncation and padding as state between calls, so one shared by
         # an edit and a concurrent answer can tokenise either wrongly: edits use their own copies.
         self._edit_tokenizers = None  # (generator tokenizer, passage encoder), made by `edit`
-        self._compile_lock = threading.Lock()
-        self._compile_tokenizers = None  # (question, generator) copies, made by `compile`
+        # Answers and compiles run on threads of their own beside the answers' (a server's):
+        # each has its own copies (made here, before any of them runs).
+        self._decode_tokenizer = copy.deepcopy(generator_tokenizer)  # `generate`'s
+        self._compile_tokenizers = copy.deepcopy((question_tokenizer, generator_tokenizer))
+        self._compile_lock = threading.Lock()  # one `compile` at a time
+        self._ready_lock = threading.Lock()
+        self._ready: dict[AnswerSetting, set[tuple[int, int]]] = {}  # compiled (bucket, width)
+        self._embedded: set[int] = set()  # the buckets the question encoder is compiled for
 
     # -----------------------------------------------------------------------------------------
     # What it holds
@@ -309,7 +343,8 @@ class Bundle:
         n_docs: int | None = None,
         sequence_decoding: str | None = None,
     ) -> list[Answer]:
-        """Answers `questions` with the passages they were answered from.
+        """Answers `questions` with the passages they were answered from (`prepare`, then
+        `generate`).
 
         Args:
           questions: B question strings.
@@ -321,41 +356,109 @@ class Bundle:
         Returns:
           B `Answer`s, in order.
         """
-        if isinstance(questions, str):
-            raise ValueError("questions: expected a sequence of strings, got one string")
-        questions = list(questions)
-        for i, q in enumerate(questions):
-            if not isinstance(q, str) or not q.strip():
-                raise ValueError(f"questions[{i}]: expected a non-empty string, got {q!r:.80}")
-        variant = variant or self.settings.variant
-        decoding = sequence_decoding or self.settings.sequence_decoding
-        if variant not in ("sequence", "token"):
-            raise ValueError(f"variant must be 'sequence' or 'token', got {variant!r}")
-        if decoding not in ("thorough", "fast"):
-            raise ValueError(f"sequence_decoding must be 'thorough' or 'fast', got {decoding!r}")
-        retriever, programs = self._setting(variant, num_beams, n_docs, decoding)
+        options = dict(variant=variant, num_beams=num_beams, n_docs=n_docs)
+        prepared = self.prepare(questions, **options, sequence_decoding=sequence_decoding)
+        return self.generate(prepared)
+
+    def prepare(
+        self,
+        questions: Sequence[str],
+        *,
+        variant: str | None = None,
+        num_beams: int | None = None,
+        n_docs: int | None = None,
+        sequence_decoding: str | None = None,
+        compiled_only: bool = False,
+    ) -> list[PreparedQuestion]:
+        """The host stage of `answer`: tokenises the questions, encodes them, retrieves their
+        passages and lays out the generator's contexts, all from one snapshot of the knowledge
+        (an `edit` meanwhile is seen by the next call). A server runs it for the next batch
+        while `generate` runs the current one.
+
+        Args:
+          questions, variant, num_beams, n_docs, sequence_decoding: as `answer`'s.
+          compiled_only: encode the questions with a batch bucket already compiled (padded up
+            to the smallest, or cut into the largest), never compiling one: a server's path.
+
+        Returns:
+          B `PreparedQuestion`s, in order, for `generate`.
+
+        Raises:
+          ValueError: a question or setting that cannot be answered (named).
+          RuntimeError: `compiled_only` before any question encoder program is compiled.
+        """
+        setting = self._answer_setting(questions, variant, num_beams, n_docs, sequence_decoding)
+        retriever = self._retriever(setting)
+        tokenizers = (self.question_tokenizer, self.generator_tokenizer)
+        return self._prepare(list(questions), setting, retriever, tokenizers, compiled_only)
+
+    def generate(
+        self, prepared: Sequence[PreparedQuestion], *, compiled_only: bool = False
+    ) -> list[Answer]:
+        """The device stage of `answer`: generates and scores prepared questions, padded to a
+        batch bucket and their contexts to a width, and reads the answers and their provenance.
+
+        Args:
+          prepared: B `PreparedQuestion`s of one setting, from one or several `prepare` calls
+            (each answered from the passages its own call retrieved).
+          compiled_only: run only (bucket, width) shapes already compiled (`ready_shapes`): the
+            batch pads up to the cheapest that holds it, or is cut into the largest bucket,
+            never compiling a program: a server's path.
+
+        Returns:
+          B `Answer`s, in order.
+
+        Raises:
+          ValueError: questions prepared for different settings.
+          RuntimeError: `compiled_only` and no compiled shape of their setting holds their
+            contexts.
+        """
+        prepared = list(prepared)
+        if not prepared:
+            return []
+        setting = prepared[0].setting
+        others = {p.setting for p in prepared} - {setting}
+        if others:
+            raise ValueError(
+                f"prepared questions of one setting are answered together; got {setting} and "
+                f"{sorted(others, key=str)}"
+            )
+        # The widest context of the batch bounds every chunk's; the chunk size is the largest
+        # bucket (compiled at a width that holds them, with `compiled_only`).
+        width = self._width([p.ctx_mask for p in prepared])
+        chunk = max(b for b, _ in self._shapes(setting, width, compiled_only))
         out = []
-        for start in range(0, len(questions), BATCH_BUCKETS[-1]):
-            batch = questions[start : start + BATCH_BUCKETS[-1]]
-            out += self._answer_batch(batch, retriever, programs, variant)
+        for start in range(0, len(prepared), chunk):
+            rows = prepared[start : start + chunk]
+            width = self._width([p.ctx_mask for p in rows])
+            size, width = min(
+                (s for s in self._shapes(setting, width, compiled_only) if s[0] >= len(rows)),
+                key=lambda s: (s[0] * s[1], s[0]),  # the fewest padded cells
+            )
+            out += self._generate(rows, setting, size, width, self._decode_tokenizer)
         return out
 
-    def _setting(self, variant, num_beams, n_docs, decoding) -> tuple[Retriever, tuple]:
-        """(the retriever of one knowledge snapshot for `n_docs`, its generate and score
-        programs); `num_beams` and `n_docs` None: the config's."""
-        num_beams = num_beams or self.rag_cfg.generation.num_beams
-        knowledge = self._knowledge  # one snapshot for the whole call, whatever `edit` does
-        n_docs = n_docs or self.rag_cfg.n_docs
-        if not 1 <= n_docs <= len(knowledge.retriever.store):
-            raise ValueError(
-                f"n_docs={n_docs} must be in [1, {len(knowledge.retriever.store)}] (the passages)"
-            )
-        fast = self.fast_compile
-        programs = (
-            _generate_program(self.rag_cfg, variant, num_beams, n_docs, decoding, fast),
-            _score_program(self.rag_cfg, variant, n_docs, fast),
-        )
-        return knowledge.for_n_docs(n_docs), programs
+    def ready_shapes(self) -> dict[AnswerSetting, tuple[tuple[int, int], ...]]:
+        """The (batch bucket, context width) shapes whose programs are compiled, per setting:
+        what `generate(..., compiled_only=True)` may run (by `compile` or by earlier answers)."""
+        with self._ready_lock:
+            return {s: tuple(sorted(shapes)) for s, shapes in self._ready.items()}
+
+    def compile_plan(self, max_batch: int = BATCH_BUCKETS[-1]) -> list[tuple[int, int]]:
+        """The (bucket, width) shapes `compile` runs for a setting, in order. First the top
+        bucket (the first of `BATCH_BUCKETS` >= `max_batch`) at the widest width: any batch of
+        up to `max_batch` questions, whatever its contexts, pads up to it, so a server answers
+        everything once it is compiled. Then the top bucket's narrower widths (full batches of
+        short contexts, the load's shapes), then the smaller buckets, smallest first, each at
+        every width (single questions at low load).
+        """
+        multiple, length = self.settings.context_pad_multiple, self.retriever.max_combined_length
+        # The widths `context_width` rounds to: multiples of `multiple`, capped at the length.
+        steps = range(multiple, length + multiple, multiple) if multiple else (length,)
+        widths = sorted({min(w, length) for w in steps}, reverse=True)
+        top = next((b for b in BATCH_BUCKETS if b >= max_batch), BATCH_BUCKETS[-1])
+        smaller = [b for b in BATCH_BUCKETS if b < top]
+        return [(top, w) for w in widths] + [(b, w) for b in smaller for w in widths]
 
     def compile(
         self,
@@ -364,82 +467,158 @@ class Bundle:
         variant: str | None = None,
         num_beams: int | None = None,
         n_docs: int | None = None,
+        shapes: Sequence[tuple[int, int]] | None = None,
     ) -> int:
-        """Compiles the answering programs of one setting for every batch bucket up to
-        `max_batch` and every context width, so that later answers of that setting never
-        compile (a server calls it before it reports ready, and for a new setting on a thread
-        of its own while it answers others). Arguments as `answer`'s.
+        """Compiles the answering programs of one setting for `shapes` (default: every batch
+        bucket up to `max_batch` at every context width, `compile_plan`'s order), skipping those
+        compiled already, so that later answers of those shapes never compile. A server compiles
+        the first shape before it reports ready and the rest on a thread of its own while it
+        answers (with `compiled_only`, its answers pad up to what is compiled meanwhile).
+        Arguments as `answer`'s.
 
         Returns:
           How many (bucket, width) shapes were run.
         """
-        variant = variant or self.settings.variant
-        retriever, programs = self._setting(
-            variant, num_beams, n_docs, self.settings.sequence_decoding
-        )
-        multiple, length = self.settings.context_pad_multiple, retriever.max_combined_length
-        # The widths `context_width` rounds to: multiples of `multiple`, capped at the length.
-        steps = range(multiple, length + multiple, multiple) if multiple else (length,)
-        widths = sorted({min(w, length) for w in steps})
-        top = next((b for b in BATCH_BUCKETS if b >= max_batch), BATCH_BUCKETS[-1])
-        sizes = [b for b in BATCH_BUCKETS if b <= top]
+        setting = self._answer_setting(["?"], variant, num_beams, n_docs, None)
+        shapes = self.compile_plan(max_batch) if shapes is None else list(shapes)
+        retriever = self._retriever(setting)
+        answer_fn = self._program(setting)
+        run = 0
         with self._compile_lock:  # compiles may run beside answers: their own tokenizers
-            if self._compile_tokenizers is None:
-                self._compile_tokenizers = copy.deepcopy(
-                    (self.question_tokenizer, self.generator_tokenizer)
-                )
-            for size in sizes:
-                for width in widths:
-                    self._answer_batch(
-                        ["?"] * size,
-                        retriever,
-                        programs,
-                        variant,
-                        width=width,
-                        tokenizers=self._compile_tokenizers,
-                    )
-        return len(sizes) * len(widths)
+            for size, width in shapes:
+                if (size, width) in self.ready_shapes().get(setting, ()):
+                    continue
+                tokenizers = self._compile_tokenizers
+                rows = self._prepare(["?"] * size, setting, retriever, tokenizers, False)
+                jax.block_until_ready(answer_fn(*self._inputs(rows, setting, size, width)))
+                with self._ready_lock:
+                    self._ready.setdefault(setting, set()).add((size, width))
+                run += 1
+        return run
 
-    def _answer_batch(
-        self,
-        questions,
-        retriever: Retriever,
-        programs,
-        variant,
-        width: int | None = None,
-        tokenizers: tuple | None = None,
-    ) -> list[Answer]:
-        q_tok, g_tok = tokenizers or (self.question_tokenizer, self.generator_tokenizer)
-        count = len(questions)
-        size = next(b for b in BATCH_BUCKETS if b >= count)
+    def _answer_setting(self, questions, variant, num_beams, n_docs, decoding) -> AnswerSetting:
+        """The setting `questions` are answered with (None: the bundle's default), checked."""
+        if isinstance(questions, str):
+            raise ValueError("questions: expected a sequence of strings, got one string")
+        for i, q in enumerate(questions):
+            if not isinstance(q, str) or not q.strip():
+                raise ValueError(f"questions[{i}]: expected a non-empty string, got {q!r:.80}")
+        variant = variant or self.settings.variant
+        decoding = decoding or self.settings.sequence_decoding
+        if variant not in ("sequence", "token"):
+            raise ValueError(f"variant must be 'sequence' or 'token', got {variant!r}")
+        if decoding not in ("thorough", "fast"):
+            raise ValueError(f"sequence_decoding must be 'thorough' or 'fast', got {decoding!r}")
+        return AnswerSetting(
+            variant,
+            num_beams or self.rag_cfg.generation.num_beams,
+            n_docs or self.rag_cfg.n_docs,
+            decoding,
+        )
+
+    def _retriever(self, setting: AnswerSetting) -> Retriever:
+        """One snapshot of the knowledge (whatever `edit` does meanwhile), for `setting.n_docs`."""
+        knowledge = self._knowledge
+        if not 1 <= setting.n_docs <= len(knowledge.retriever.store):
+            raise ValueError(
+                f"n_docs={setting.n_docs} must be in [1, {len(knowledge.retriever.store)}] "
+                "(the passages)"
+            )
+        return knowledge.for_n_docs(setting.n_docs)
+
+    def _width(self, masks: list[np.ndarray]) -> int:
+        """The context width rows whose masks are `masks` ([N, S] each) need."""
+        s = masks[0].shape[-1]
+        return context_width(np.stack(masks).reshape(-1, s), s, self.settings.context_pad_multiple)
+
+    def _shapes(self, setting, width: int, compiled_only: bool) -> list[tuple[int, int]]:
+        """The (bucket, width) shapes rows needing `width` columns may run at."""
+        if not compiled_only:  # any: jit compiles a new one
+            return [(b, width) for b in BATCH_BUCKETS]
+        shapes = [(b, w) for b, w in self.ready_shapes().get(setting, ()) if w >= width]
+        if not shapes:
+            raise RuntimeError(
+                f"no compiled program of {setting} holds contexts of width {width} (compiled: "
+                f"{self.ready_shapes().get(setting, ())}); compile() it first"
+            )
+        return shapes
+
+    def _prepare(
+        self, questions: list[str], setting, retriever, tokenizers, compiled_only: bool
+    ) -> list[PreparedQuestion]:
+        q_tok, g_tok = tokenizers
         length = self.settings.question_length
-        fields = question_tokens(q_tok, questions, length)
-        full = q_tok(questions, truncation=False, verbose=False)["input_ids"]
-        q_ids = _pad_rows(fields["question_input_ids"], size)  # -> [size, Q]
-        q_mask = _pad_rows(fields["question_attention_mask"], size)
         embed_fn = _embed_program(self.rag_cfg, self.fast_compile)
-        vectors = np.asarray(embed_fn(self._params, q_ids, q_mask))[:count]
-        hits = retriever(vectors, retriever.store.tokenize_questions(g_tok, questions))
-        width = width or context_width(
-            hits.context_attention_mask,
-            retriever.max_combined_length,
-            self.settings.context_pad_multiple,
+        with self._ready_lock:
+            sizes = sorted(self._embedded) if compiled_only else list(BATCH_BUCKETS)
+        if not sizes:
+            raise RuntimeError("no question encoder program is compiled; compile() first")
+        out = []
+        for start in range(0, len(questions), sizes[-1]):
+            chunk = questions[start : start + sizes[-1]]
+            count = len(chunk)
+            size = next(b for b in sizes if b >= count)
+            fields = question_tokens(q_tok, chunk, length)
+            full = q_tok(chunk, truncation=False, verbose=False)["input_ids"]
+            q_ids, q_mask = fields["question_input_ids"], fields["question_attention_mask"]
+            vectors = embed_fn(self._params, _pad_rows(q_ids, size), _pad_rows(q_mask, size))
+            vectors = np.asarray(vectors)[:count]  # -> [count, D]
+            with self._ready_lock:
+                self._embedded.add(size)
+            hits = retriever(vectors, retriever.store.tokenize_questions(g_tok, chunk))
+            shape = (count, retriever.n_docs, -1)
+            ctx = hits.context_input_ids.reshape(shape)  # -> [count, N, S]
+            ctx_mask = hits.context_attention_mask.reshape(shape)
+            out += [
+                PreparedQuestion(
+                    question=q,
+                    setting=setting,
+                    store=retriever.store,
+                    q_ids=q_ids[b],
+                    q_mask=q_mask[b],
+                    doc_ids=hits.doc_ids[b],
+                    doc_vectors=hits.doc_vectors[b],
+                    ctx=ctx[b],
+                    ctx_mask=ctx_mask[b],
+                    truncated=len(full[b]) > length,
+                )
+                for b, q in enumerate(chunk)
+            ]
+        return out
+
+    def _program(self, setting: AnswerSetting):
+        """`setting`'s answering program (`_answer_program`)."""
+        s = setting
+        return _answer_program(
+            self.rag_cfg, s.variant, s.num_beams, s.n_docs, s.sequence_decoding, self.fast_compile
         )
-        n_docs = retriever.n_docs
-        shape = (count, n_docs, width)
-        ctx = _pad_rows(hits.context_input_ids[:, :width].reshape(shape), size)  # -> [size, N, W]
-        ctx_mask = _pad_rows(hits.context_attention_mask[:, :width].reshape(shape), size)
-        doc_vectors = _pad_rows(hits.doc_vectors, size)  # -> [size, N, D]
-        ctx, ctx_mask = (a.reshape(size * n_docs, width) for a in (ctx, ctx_mask))
-        generate_fn, score_fn = programs
-        args = (self._params, q_ids, q_mask, doc_vectors, ctx, ctx_mask)
-        tokens, scores = generate_fn(*args)  # -> [size, L], [size, N]
-        outputs = score_fn(self._params, scores, ctx, ctx_mask, tokens)
-        tokens, scores, (loglik, prior, posterior, per_token) = jax.device_get(
-            (tokens, scores, outputs)
+
+    def _inputs(self, rows: list[PreparedQuestion], setting, size: int, width: int) -> tuple:
+        """The answering program's arguments for `rows` padded to `size` and their contexts cut to
+        `width`: (params, q_ids [size, Q], q_mask, doc_vectors [size, N, D], contexts
+        [size * N, W] and their mask)."""
+        stack = lambda key: _pad_rows(np.stack([getattr(p, key) for p in rows]), size)  # noqa: E731
+        flat = (size * setting.n_docs, width)
+        return (
+            self._params,
+            stack("q_ids"),  # -> [size, Q]
+            stack("q_mask"),
+            stack("doc_vectors"),  # -> [size, N, D]
+            stack("ctx")[:, :, :width].reshape(flat),  # -> [size * N, W]
+            stack("ctx_mask")[:, :, :width].reshape(flat),
         )
+
+    def _generate(
+        self, rows: list[PreparedQuestion], setting, size: int, width: int, g_tok
+    ) -> list[Answer]:
+        """Answers `rows` (at most `size`) at the (size, width) shape, decoding with `g_tok`."""
+        count, variant = len(rows), setting.variant
+        outputs = self._program(setting)(*self._inputs(rows, setting, size, width))
+        # -> [size, L], [size, N], ([size], [size, N], [size, N], [size, L, N])
+        tokens, scores, (loglik, prior, posterior, per_token) = jax.device_get(outputs)
+        with self._ready_lock:
+            self._ready.setdefault(setting, set()).add((size, width))
         texts = [a.strip() for a in g_tok.batch_decode(tokens[:count], skip_special_tokens=True)]
-        store = retriever.store
         gen = self.rag_cfg.generator
         special = set(g_tok.all_special_ids) | {
             self.rag_cfg.pad_token_id,
@@ -450,18 +629,18 @@ class Bundle:
         # decoder start token) and token t of a causal generator's (the answer tokens).
         shift = 0 if self.rag_cfg.causal else 1
         answers = []
-        for b in range(count):
-            rows = [int(j) for j in hits.doc_ids[b]]
+        for b, row in enumerate(rows):
+            store = row.store
             passages = tuple(
                 RetrievedPassage(
-                    id=store.ids[row],
-                    title=store.title(row),
-                    text=store.text(row),
+                    id=store.ids[j],
+                    title=store.title(j),
+                    text=store.text(j),
                     score=float(scores[b, n]),
                     prior=float(prior[b, n]),
                     posterior=float(posterior[b, n]),
                 )
-                for n, row in enumerate(rows)
+                for n, j in enumerate(int(j) for j in row.doc_ids)
             )
             sources = None
             if variant == "token":  # position t of `per_token` is the token tokens[b, t + shift]
@@ -476,10 +655,10 @@ class Bundle:
                 )
             answers.append(
                 Answer(
-                    question=questions[b],
+                    question=row.question,
                     answer=texts[b],
                     log_likelihood=float(loglik[b]),
-                    truncated=len(full[b]) > length,
+                    truncated=row.truncated,
                     variant=variant,
                     passages=passages,
                     tokens=sources,
@@ -497,8 +676,10 @@ class Bundle:
         they are encoded (with the bundle's passage encoder), the other passages keep their
         vectors. The store is rebuilt and the exact index updated with the new rows (a ScaNN
         searcher is rebuilt from the vectors), then the bundle's folder is replaced in one
-        atomic swap: a crash before it leaves the previous bundle whole. Answers started before
-        the swap finish on the previous passages; those started after see the new ones.
+        atomic swap: a crash before it leaves the previous bundle whole, and the folders a
+        crashed edit left beside the bundle are removed by the next edit (once a minute old).
+        Answers started before the swap finish on the previous passages; those started after
+        see the new ones.
 
         Args:
           upserts: `Passage(id, title, text)` records (or (id, title, text) triples); each text
@@ -572,6 +753,9 @@ class Bundle:
                 bundle_format.share_modes(tmp)
 
             manifest = dict(knowledge.manifest, corpus_checksum=checksum, count=len(passages))
+            # A write killed earlier left its folders beside the bundle (whole copies of the
+            # passages and index); those a minute old go (younger: maybe a write in progress).
+            bundle_format.remove_stale(old_dir)
             files.swap_dir(old_dir, write_fn, manifest, what="bundle")
             retriever = bundle_format.open_retriever(
                 old_dir, manifest, self.settings, self.rag_cfg, vectors
@@ -620,14 +804,20 @@ def _embed_program(cfg: rag.RagConfig, fast_compile: bool):
 
 
 @functools.cache
-def _generate_program(cfg, variant: str, num_beams: int, n_docs: int, decoding, fast_compile):
+def _answer_program(cfg, variant: str, num_beams: int, n_docs: int, decoding, fast_compile):
     """jit: (params, q_ids [B, Q], q_mask, doc_vectors [B, N, D], contexts [B * N, W] and their
-    mask) -> (tokens [B, L], doc scores [B, N]), generated as the evaluation generates
-    (`evaluation.generate_fn`)."""
+    mask) -> (tokens [B, L], doc scores [B, N], (log p(y|x) [B], prior [B, N], posterior [B, N],
+    token posteriors [B, L, N])): generated as the evaluation generates
+    (`evaluation.generate_fn`), then scored under the variant's model.
+
+    One program, not a generation and a scoring one: XLA shares their common work (the
+    contexts' encoder pass), which took a quarter of the time off an answer of 8 or 16 default
+    job questions on 2 CPU cores, and compiles it in half the time of the two.
+    """
     run_cfg = cfg.replace(n_docs=n_docs)
+    ids = dict(pad_token_id=cfg.pad_token_id, n_docs=n_docs)
 
     def generate(params, q_ids, q_mask, doc_vectors, ctx, ctx_mask):
-        _count_trace(cfg)
         q = rag.question_embeddings(run_cfg, params, q_ids, q_mask)
         scores = rag_math.doc_scores(q, doc_vectors, cfg.doc_score_scale)  # -> [B, N]
         tokens = rag.generate(
@@ -642,18 +832,7 @@ def _generate_program(cfg, variant: str, num_beams: int, n_docs: int, decoding, 
         )
         return tokens, scores
 
-    return _jit(generate, fast_compile)
-
-
-@functools.cache
-def _score_program(cfg: rag.RagConfig, variant: str, n_docs: int, fast_compile: bool):
-    """jit: (params, doc scores [B, N], contexts [B * N, W] and their mask, tokens [B, L]) ->
-    (log p(y|x) [B], prior [B, N], posterior [B, N], token posteriors [B, L, N])."""
-    run_cfg = cfg.replace(n_docs=n_docs)
-    ids = dict(pad_token_id=cfg.pad_token_id, n_docs=n_docs)
-
     def score(params, scores, ctx, ctx_mask, tokens):
-        _count_trace(cfg)
         logits = rag.generator_logits(run_cfg, params, ctx, ctx_mask, tokens)
         aligned, bos = {}, cfg.bos_token_id
         if cfg.causal:  # the answer tokens themselves, scored up to their EOS
@@ -669,7 +848,12 @@ def _score_program(cfg: rag.RagConfig, variant: str, n_docs: int, fast_compile: 
         posterior, per_token = rag_math.doc_posteriors(logits, scores, tokens, **ids, **aligned)
         return -nll, jax.nn.softmax(scores, axis=-1), posterior, per_token
 
-    return _jit(score, fast_compile)
+    def answer(params, q_ids, q_mask, doc_vectors, ctx, ctx_mask):
+        _count_trace(cfg)
+        tokens, scores = generate(params, q_ids, q_mask, doc_vectors, ctx, ctx_mask)
+        return tokens, scores, score(params, scores, ctx, ctx_mask, tokens)
+
+    return _jit(answer, fast_compile)
 
 
 # ---------------------------------------------------------------------------------------------

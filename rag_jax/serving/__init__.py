@@ -1,2 +1,2 @@
-"""Serving a bundle over HTTP: dynamic batching (`batching`), counters (`metrics`) and the JSON
-API with its page (`app`)."""
+"""Serving a bundle over HTTP: dynamic batching (`batching`), counters (`metrics`), deadlines on
+slow clients (`connections`) and the JSON API with its page (`app`)."""

@@ -9,8 +9,12 @@
 - `GET /v1/passages/{id}`; with `allow_edits`, `PUT` (add or replace) and `DELETE`
   (`Bundle.edit`: persisted atomically, seen by the next request; edits run one at a time).
   Without it they answer 403.
-- `GET /v1/info` (the bundle and the server's limits), `GET /healthz` (200 once the programs of
-  the default setting are compiled, 503 before), `GET /metrics` (`metrics.Metrics`).
+- `GET /v1/info` (the bundle, the server's limits, each setting's compiled (bucket, width)
+  shapes), `GET /healthz` (200 once the warmed settings' first programs are compiled, 503
+  before; the other shapes compile in the background, and `"compiled"` says when they are).
+- `GET /metrics`: the counters in the Prometheus text format (requests by route template and
+  status, latency and batch histograms, the queue, compiles, each setting's state, edits,
+  timeouts); `GET /v1/metrics`: the same server as a JSON snapshot (`metrics.Metrics`).
 
 Every error is a JSON body {"error": {"status", "message", "details"?}} with its status; a bug
 answers 500 with the exception's type, its traceback only in the server's log.
@@ -21,10 +25,16 @@ Hostile input is refused before it costs the server anything: a `Host` header no
 repeating a JSON key (422), a question over `max_question_chars` or holding text UTF-8 cannot
 encode (413 / 422, before it is batched or tokenised), a passage text or id over its limit (413).
 A setting (variant, num_beams, n_docs) not compiled yet is compiled off the serving path, at most
-`max_cold_settings` of them: its requests answer 503 with `Retry-After` until it is ready, and the
-warmed settings' traffic never waits on a compile. A failing merged batch is answered again one
-request at a time (`batching.Batcher`), so one client's request never fails another's; a client
-that disconnects before its batch starts is dropped.
+`max_cold_settings` of them: its requests answer 503 with `Retry-After` until its first shape is
+ready, and the warmed settings' traffic never waits on a compile. The serving path never compiles:
+a batch runs at the cheapest (bucket, width) shape compiled that holds it (`_State`). The
+batcher prepares the next batch (tokens, question vectors, passages, contexts) while the current
+one generates; a failing merged batch is answered again one request at a time
+(`batching.Batcher`), so one client's request never fails another's; a client that disconnects
+before its batch starts is dropped. A slow client cannot hold a connection: a
+request head not whole within `header_timeout_s` of the connection's opening (or of its first
+byte after a keep-alive wait), or a body not whole within `body_timeout_s` after it, closes the
+connection (`connections.TimedH11Protocol`); an idle kept-alive one closes after `keep_alive_s`.
 """
 
 import asyncio
@@ -49,6 +59,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 from starlette import concurrency
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.trustedhost import TrustedHostMiddleware
+from starlette.requests import ClientDisconnect
 
 from rag_jax import bundle, bundle_format
 from rag_jax.retrieval import files
@@ -82,6 +93,10 @@ class ServerConfig:
     allowed_hosts: tuple[str, ...] = ()
     keep_alive_s: float = 5.0  # an idle kept-alive connection is closed after this long
     max_connections: int = 256  # open connections beyond this answer 503 (uvicorn's limit)
+    # A connection is closed when a request's head is not whole this long after the connection
+    # opened (or after its first byte, following a keep-alive wait): slowloris, or nothing sent.
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0  # ... or its body this long after the head (a trickled body)
 
 
 class AnswerRequest(BaseModel):
@@ -130,11 +145,22 @@ def _validation_details(errors) -> list[dict]:
 
 
 class _State:
-    """What the routes share: the bundle, the batcher, the counters, readiness."""
+    """What the routes share: the bundle, the batcher, the counters, readiness.
 
-    def __init__(self, model: bundle.Bundle, config: ServerConfig):
-        self.model, self.config = model, config
-        self.metrics = metrics.Metrics()
+    A setting is served once its first (bucket, width) shape is compiled (`Bundle.compile_plan`:
+    the top bucket at the widest width, which any batch pads up to); its other shapes then
+    compile one by one on the compile thread while it is served, and answers run only at shapes
+    compiled (`compiled_only`), padding up to the cheapest: the serving path never compiles.
+    """
+
+    def __init__(self, model: bundle.Bundle, config: ServerConfig, *, on_demand: bool = False):
+        """Args:
+        model, config: the bundle served and how.
+        on_demand: answers compile the programs they need (nothing is compiled ahead: for a
+          server whose answers never reach the model).
+        """
+        self.model, self.config, self.on_demand = model, config, on_demand
+        self.metrics = metrics.Metrics(config.max_batch)
         self.ready = threading.Event()
         self.edit_lock = threading.Lock()  # read-modify-write of a passage, one at a time
         self.rows: tuple = (None, {})  # (store, {id: row}) of the latest store looked up
@@ -142,60 +168,123 @@ class _State:
             model.settings.variant, model.rag_cfg.generation.num_beams, model.rag_cfg.n_docs
         )
         self.max_n_docs = config.max_n_docs or model.rag_cfg.n_docs
+        self.warmed = [  # the settings compiled before ready
+            batching.Setting(v, self.default.num_beams, self.default.n_docs)
+            for v in config.warm_variants or (self.default.variant,)
+        ]
+        # The batcher's two stages: the next batch is prepared (tokenised, encoded, retrieved)
+        # on one thread while the current one generates on another.
         self.batcher = batching.Batcher(
-            self._answer,
+            self._prepare,
+            self._generate,
             max_batch=config.max_batch,
             max_wait_s=config.max_wait_ms / 1e3,
             on_batch=self.metrics.batch,
         )
-        self.compiled_traces = None  # the trace count once ready
+        # The trace count once every shape of the warmed settings is compiled (None before):
+        # their traffic traces nothing more.
+        self.compiled_traces = None
         self.settings_lock = threading.Lock()
-        self.warm: set[batching.Setting] = set()  # compiled: answered at once
-        self.compiling: set[batching.Setting] = set()  # compiling in the background
+        self.warm: set[batching.Setting] = set()  # served: their first shape is compiled
+        self.compiling: set[batching.Setting] = set()  # their first shape compiling: 503
         self.failed: dict[batching.Setting, str] = {}  # settings whose compile failed: why
-        self.compile_s = 10.0  # how long the latest setting took to compile (Retry-After)
+        self.filling: set[batching.Setting] = set()  # served, other shapes still compiling
+        self.compile_s = 10.0  # how long the latest first shape took to compile (Retry-After)
         self.compiler = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="compile")
 
-    def _answer(self, questions, setting: batching.Setting):
-        return self.model.answer(
+    def _prepare(self, questions, setting: batching.Setting):
+        return self.model.prepare(
             questions,
             variant=setting.variant,
             num_beams=setting.num_beams,
             n_docs=setting.n_docs,
+            compiled_only=not self.on_demand,
         )
 
-    def _compile(self, setting: batching.Setting) -> None:
-        start = time.monotonic()
+    def _generate(self, prepared, setting: batching.Setting):
+        del setting  # each prepared question holds its own
+        return self.model.generate(prepared, compiled_only=not self.on_demand)
+
+    def _compile(self, setting: batching.Setting, shapes) -> None:
         self.model.compile(
             self.config.max_batch,
             variant=setting.variant,
             num_beams=setting.num_beams,
             n_docs=setting.n_docs,
+            shapes=shapes,
         )
+
+    def ready_shapes(self, setting: batching.Setting) -> tuple[tuple[int, int], ...]:
+        """The (batch bucket, context width) shapes of `setting` compiled: answers run at the
+        cheapest that holds them (`Bundle.ready_shapes`)."""
+        key = bundle.AnswerSetting(
+            setting.variant,
+            setting.num_beams,
+            setting.n_docs,
+            self.model.settings.sequence_decoding,
+        )
+        return self.model.ready_shapes().get(key, ())
+
+    def _compile_first(self, setting: batching.Setting) -> None:
+        """Compiles `setting`'s first shape: it is served from then on."""
+        start = time.monotonic()
+        self._compile(setting, self.model.compile_plan(self.config.max_batch)[:1])
         with self.settings_lock:
             self.warm.add(setting)
+            self.filling.add(setting)
             self.compile_s = time.monotonic() - start
 
-    def warm_up(self) -> None:
-        d = self.default
+    def _compile_next(self, setting: batching.Setting) -> None:
+        """Compiles the next shape of `setting` not compiled yet, then queues the one after: one
+        shape per task, so a cold setting's first shape waits behind one shape at most."""
+        plan = self.model.compile_plan(self.config.max_batch)
+        missing = [s for s in plan if s not in self.ready_shapes(setting)]
         try:
-            for variant in self.config.warm_variants or (d.variant,):
-                self._compile(batching.Setting(variant, d.num_beams, d.n_docs))
+            self._compile(setting, missing[:1])
+        except Exception:  # noqa: BLE001 - it is served with the shapes compiled
+            log.exception("compiling %s at (bucket, width) %s failed", setting, missing[:1])
+            missing = []
+        if len(missing) > 1 and self._submit(self._compile_next, setting):
+            return
+        with self.settings_lock:
+            self.filling.discard(setting)
+            done = self.compiled_traces is None and not self.filling & set(self.warmed)
+        if done:
+            self.compiled_traces = self.model.traces
+            log.warning("compiled every shape of %s: %d traces", self.warmed, self.model.traces)
+
+    def _submit(self, fn, *args) -> bool:
+        """Queues `fn(*args)` on the compile thread; False once the server is shutting down."""
+        try:
+            self.compiler.submit(fn, *args)
+        except RuntimeError:  # the executor is shut down
+            return False
+        return True
+
+    def warm_up(self) -> None:
+        """Compiles each warmed setting's first shape and reports ready; their other shapes then
+        compile in the background (the answers meanwhile pad up to the shapes compiled)."""
+        try:
+            for setting in self.warmed:
+                self._compile_first(setting)
         except Exception:  # noqa: BLE001 - the server stays up, not ready, and says why
             log.exception("compiling the answering programs failed")
             return
-        self.compiled_traces = self.model.traces
         self.ready.set()
-        log.warning("ready: %d traces compiled", self.compiled_traces)
+        log.warning("ready: %d traces compiled; the other shapes follow", self.model.traces)
+        for setting in self.warmed:
+            self._submit(self._compile_next, setting)
 
     def _compile_cold(self, setting: batching.Setting) -> None:
         try:
-            self._compile(setting)
-            log.warning("compiled %s", setting)
+            self._compile_first(setting)
+            log.warning("compiled %s; its other shapes follow", setting)
         except Exception as e:  # noqa: BLE001 - its requests answer why
             log.exception("compiling %s failed", setting)
             with self.settings_lock:
                 self.failed[setting] = f"{type(e).__name__}: {e}"
+        else:
+            self._submit(self._compile_next, setting)
         finally:
             with self.settings_lock:
                 self.compiling.discard(setting)
@@ -213,8 +302,7 @@ class _State:
             if setting in self.failed:
                 raise ApiError(500, f"{name}: compiling it failed ({self.failed[setting]})")
             if setting not in self.compiling:
-                warmed = len(self.config.warm_variants or (self.default.variant,))
-                cold = len(self.warm) + len(self.compiling) + len(self.failed) - warmed
+                cold = len(self.warm) + len(self.compiling) + len(self.failed) - len(self.warmed)
                 if cold >= self.config.max_cold_settings:
                     served = sorted(dataclasses.astuple(s) for s in self.warm)
                     raise ApiError(
@@ -236,6 +324,24 @@ class _State:
         with self.settings_lock:
             view = {"ready": self.warm, "compiling": self.compiling, "failed": self.failed}
             return {k: sorted(dataclasses.astuple(s) for s in v) for k, v in view.items()}
+
+    def programs_view(self) -> list[dict]:
+        """Per served setting, its (bucket, width) shapes compiled ("ready") and those still
+        compiling in the background ("pending"), JSON-ready."""
+        plan = self.model.compile_plan(self.config.max_batch)
+        with self.settings_lock:
+            served = sorted(self.warm, key=dataclasses.astuple)
+        out = []
+        for setting in served:
+            ready = self.ready_shapes(setting)
+            out.append(
+                {
+                    **dataclasses.asdict(setting),
+                    "ready": [list(s) for s in ready],
+                    "pending": [list(s) for s in plan if s not in ready],
+                }
+            )
+        return out
 
     def row_of(self, store, passage_id: str) -> int | None:
         """`passage_id`'s row in `store` (a store is immutable: its map is built once)."""
@@ -274,6 +380,20 @@ class _State:
         return batching.Setting(request.variant or d.variant, beams, n_docs)
 
 
+def _live(state: _State) -> metrics.Live:
+    """The server's state for a metrics scrape."""
+    queued_requests, queued_questions = state.batcher.waiting()
+    return metrics.Live(
+        ready=state.ready.is_set(),
+        compiles=state.model.traces,
+        compiles_at_ready=state.compiled_traces,
+        passages=len(state.model.store),
+        queued_requests=queued_requests,
+        queued_questions=queued_questions,
+        settings=state.settings_view(),
+    )
+
+
 class _Count:
     """Counts each HTTP request by route and status (a plain ASGI middleware: Starlette's
     `BaseHTTPMiddleware` costs a task and a stream per request)."""
@@ -294,8 +414,10 @@ class _Count:
         try:
             await self.app(scope, receive, send_status)
         finally:
-            path = getattr(scope.get("route"), "path", "other")  # set by the router
-            self.metrics.request(path, status[0], time.monotonic() - start)
+            # The route's template (set by the router), never the raw path: a client cannot
+            # make new metric series by asking new paths.
+            route = getattr(scope.get("route"), "path_format", "other")
+            self.metrics.request(route, status[0], time.monotonic() - start)
 
 
 class _BodyLimit:
@@ -395,14 +517,15 @@ async def _disconnected(request: fastapi.Request) -> None:
 
 def make_app(model: bundle.Bundle, config: ServerConfig, *, warm_up: bool = True):
     """The FastAPI app serving `model` (see the module docstring); compiles in the background
-    when `warm_up` (else it is ready at once).
+    when `warm_up` (else it is ready at once and its answers compile what they need).
 
     Raises:
       ValueError: `allow_edits` for a bundle whose folder cannot be written.
     """
     if config.allow_edits:
         check_writable(model)
-    state = _State(model, config)
+    state = _State(model, config, on_demand=not warm_up)
+    state.metrics.watch(lambda: _live(state))
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -410,10 +533,7 @@ def make_app(model: bundle.Bundle, config: ServerConfig, *, warm_up: bool = True
             threading.Thread(target=state.warm_up, name="warm-up", daemon=True).start()
         else:
             state.compiled_traces = model.traces
-            state.warm.update(
-                batching.Setting(v, state.default.num_beams, state.default.n_docs)
-                for v in config.warm_variants or (state.default.variant,)
-            )
+            state.warm.update(state.warmed)
             state.ready.set()
         yield
         await asyncio.to_thread(state.batcher.close)
@@ -442,6 +562,10 @@ def make_app(model: bundle.Bundle, config: ServerConfig, *, warm_up: bool = True
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request, e):
         return _error(e.status_code, str(e.detail))
+
+    @app.exception_handler(ClientDisconnect)
+    async def client_gone(request, e):  # e.g. its body timed out: no one reads an answer
+        return responses.Response(status_code=499)  # nginx's "client closed request"
 
     @app.exception_handler(Exception)
     async def bug(request, e):
@@ -568,6 +692,7 @@ def make_app(model: bundle.Bundle, config: ServerConfig, *, warm_up: bool = True
             "max_id_chars": config.max_id_chars,
             "max_body_bytes": config.max_body_bytes,
             "settings": state.settings_view(),
+            "programs": state.programs_view(),
             "passages": len(model.store),
             "step": model.step,
             "allow_edits": config.allow_edits,
@@ -575,22 +700,23 @@ def make_app(model: bundle.Bundle, config: ServerConfig, *, warm_up: bool = True
 
     @app.get("/healthz")
     async def healthz():
-        """200 once the default setting's programs are compiled; 503 before."""
+        """200 once each warmed setting's first shape is compiled (then every answer can run);
+        503 before. "compiled": every shape of the warmed settings is (none compiles later)."""
         ready = state.ready.is_set()
-        body = {"ready": ready, "passages": len(model.store)}
+        compiled = state.compiled_traces is not None
+        body = {"ready": ready, "compiled": compiled, "passages": len(model.store)}
         return responses.JSONResponse(body, status_code=200 if ready else 503)
 
-    @app.get("/metrics")
-    async def get_metrics():
-        """Requests by route and status, answer latency percentiles (ms), batch sizes, and how
-        many times the answering programs were traced (compiled)."""
-        return state.metrics.snapshot(
-            compiles=model.traces,
-            compiles_at_ready=state.compiled_traces,
-            ready=state.ready.is_set(),
-            passages=len(model.store),
-            settings=state.settings_view(),
-        )
+    @app.get("/metrics", response_class=responses.PlainTextResponse)
+    async def prometheus_metrics():
+        """The server's metrics in the Prometheus text format, for a Prometheus scrape."""
+        return responses.Response(state.metrics.exposition(), media_type=metrics.CONTENT_TYPE)
+
+    @app.get("/v1/metrics")
+    async def json_metrics():
+        """Requests by route and status, answer latency percentiles (ms), batch sizes, how many
+        times the answering programs were traced (compiled), the queue, each setting's state."""
+        return responses.JSONResponse(state.metrics.snapshot())
 
     static = importlib.resources.files("rag_jax.serving") / "static"
 
@@ -603,14 +729,26 @@ def make_app(model: bundle.Bundle, config: ServerConfig, *, warm_up: bool = True
 
 
 def uvicorn_config(app, config: ServerConfig):
-    """uvicorn's settings for `app`: idle kept-alive connections closed after `keep_alive_s`, at
-    most `max_connections` open (503 beyond), request heads of at most 64 KiB."""
+    """uvicorn's settings for `app` (made by `make_app`): idle kept-alive connections closed
+    after `keep_alive_s`, request heads and bodies that arrive too slowly after
+    `header_timeout_s` / `body_timeout_s` (counted in the app's metrics), at most
+    `max_connections` open (503 beyond), request heads of at most 64 KiB.
+
+    Raises:
+      ValueError: a timeout that is not a positive number of seconds (named).
+    """
     import uvicorn  # the [serve] extra
 
+    from rag_jax.serving import connections  # uvicorn's protocol: the [serve] extra too
+
+    http = connections.protocol(
+        config.header_timeout_s, config.body_timeout_s, app.state.server.metrics.timed_out
+    )
     return uvicorn.Config(
         app,
         host=config.host,
         port=config.port,
+        http=http,
         log_level="warning",
         access_log=False,
         timeout_keep_alive=config.keep_alive_s,

@@ -1,18 +1,32 @@
-"""Dynamic batching: concurrent requests for answers merged into one call of the model.
+"""Dynamic batching: concurrent requests for answers merged into one call of the model, the next
+call's host work done while the current one runs.
 
 Requests arrive one by one (each with a few questions); answering them one call each would run
-the jitted programs at batch 1 while the next request waits. A `Batcher` keeps a queue: its one
-worker thread takes the oldest request, waits until `max_wait_s` after that request arrived or
-after its own previous call ended, whichever is later (or until `max_batch` questions of the
-same setting are queued), and answers every queued request of that setting in one `answer_fn`
-call, which pads the batch to a bucket (`bundle.BATCH_BUCKETS`). Requests of another (variant,
-num_beams, n_docs) wait for their own batch. Waiting from the end of the previous call lets the
-clients just answered send their next requests into the coming batch instead of the one after:
-under load, batches fill instead of alternating between two half-full groups.
+the jitted programs at batch 1 while the next request waits. A `Batcher` answers in two stages,
+each on a thread of its own, as a small pipeline:
+
+- its preparing thread takes queued requests of one setting (variant, num_beams, n_docs) and runs
+  `prepare_fn` on their questions together: the host work (tokenising, encoding the questions,
+  retrieving, assembling the contexts), one prepared item per question;
+- its worker takes prepared requests of one setting, at most `max_batch` questions, and answers
+  them in one `answer_fn` call (the generation programs, which pad the batch to a bucket).
+
+So the next call's host work runs while the current call's programs do (a jitted program runs
+with the GIL released), and the worker starts its next call as soon as its current one ends. The
+preparing thread takes the queue as late as still lets its work end before the worker is free:
+at the worker's expected end (the mean of its recent calls) less the recent preparations' mean,
+and never before `max_wait_s` after the oldest queued request arrived. With the worker idle it
+waits `max_wait_s` from that arrival or from the end of the worker's last call, whichever is
+later; with `max_batch` questions of a setting queued it takes them at once. Waiting that long
+lets the clients the current call answers send their next requests into the coming call instead
+of the one after: under load, calls fill instead of alternating between two half-full groups.
+The worker merges the prepared requests of a setting (several preparations) into one call, and
+waits for a preparation under way that fits in it.
 
 A call that raises is not handed to every request it merged: each of its requests is answered
-again on its own, so a request whose questions make the model fail fails alone. A request
-cancelled before its call begins (its client went away) is dropped.
+again on its own (a preparation that raises: each prepared again on its own), so a request
+whose questions make the model fail fails alone. A request cancelled before its call begins (its
+client went away) is dropped, prepared or not.
 
 Legend: B questions in one call.
 """
@@ -21,7 +35,11 @@ import concurrent.futures
 import dataclasses
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+
+# Weight of the latest call (or preparation) in the running means the preparing thread times its
+# work by: recent enough to follow the load, smooth enough that one slow call does not rule.
+_MEAN_WEIGHT = 0.25
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,39 +57,63 @@ class _Request:
     questions: list[str]
     future: concurrent.futures.Future
     arrived: float  # time.monotonic()
+    preparing: bool = False  # taken by the preparing thread
+    prepared: Sequence | None = None  # prepare_fn's items, one per question, once prepared
+
+
+def _mean(old: float | None, new: float) -> float:
+    return new if old is None else old + _MEAN_WEIGHT * (new - old)
 
 
 class Batcher:
-    """Merges concurrent requests into calls of `answer_fn(questions, setting) -> answers`.
+    """Merges concurrent requests into calls of `answer_fn(prepare_fn(questions, setting))`,
+    preparing the next call while the current one runs.
 
     Attributes:
+      prepare_fn, answer_fn: the two stages (see `__init__`).
       max_batch: the most questions in one call (a request is never split).
       max_wait_s: how long the oldest queued request may wait for others to join it.
     """
 
     def __init__(
         self,
-        answer_fn: Callable[[list[str], Setting], list],
+        prepare_fn: Callable[[list[str], Setting], Sequence],
+        answer_fn: Callable[[list, Setting], list],
         *,
         max_batch: int,
         max_wait_s: float,
         on_batch: Callable[[int, int, float], None] | None = None,
     ):
         """Args:
-        answer_fn: answers B questions of one setting, in order (runs on the worker thread).
+        prepare_fn: (B questions of one setting, the setting) -> B prepared items, in order
+          (runs on the preparing thread; calls never overlap each other).
+        answer_fn: (B prepared items of one setting, from one or several `prepare_fn` calls,
+          the setting) -> B answers, in order (runs on the worker; calls never overlap each
+          other, and may overlap a `prepare_fn` call).
         max_batch, max_wait_s: see Attributes.
-        on_batch: called after each call with (questions, requests, seconds the call took).
+        on_batch: called after each answered call with (questions, requests, seconds the call
+          took).
         """
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
-        self.answer_fn, self.max_batch, self.max_wait_s = answer_fn, max_batch, max_wait_s
+        self.prepare_fn, self.answer_fn = prepare_fn, answer_fn
+        self.max_batch, self.max_wait_s = max_batch, max_wait_s
         self._on_batch = on_batch
-        self._pending: list[_Request] = []
         self._cond = threading.Condition()
+        # Every request not yet begun, oldest first: queued, being prepared or prepared.
+        self._pending: list[_Request] = []
         self._closed = False
-        self._idle_since = 0.0  # time.monotonic() when the last call ended
-        self._thread = threading.Thread(target=self._run, name="batcher", daemon=True)
-        self._thread.start()
+        # time.monotonic() the worker's current call began; None while it is idle.
+        self._call_start: float | None = None
+        self._idle_since = 0.0  # time.monotonic() the worker's last call ended
+        self._call_s: float | None = None  # running mean of the worker's calls, seconds
+        self._prepare_s: float | None = None  # ... of the preparations
+        self._threads = [
+            threading.Thread(target=self._prepare_loop, name="batcher-prepare", daemon=True),
+            threading.Thread(target=self._answer_loop, name="batcher", daemon=True),
+        ]
+        for thread in self._threads:
+            thread.start()
 
     def submit(self, setting: Setting, questions: list[str]) -> concurrent.futures.Future:
         """Queues one request; the future's result is its answers, in order.
@@ -88,81 +130,175 @@ class Batcher:
             if self._closed:
                 raise RuntimeError("the batcher is closed")
             self._pending.append(request)
-            self._cond.notify()
+            self._cond.notify_all()
         return request.future
 
+    def waiting(self) -> tuple[int, int]:
+        """(requests, questions) waiting for their call: queued or prepared, not yet begun."""
+        with self._cond:
+            return len(self._pending), sum(len(r.questions) for r in self._pending)
+
     def close(self) -> None:
-        """Answers what is queued, then stops the worker."""
+        """Answers what is queued, then stops both threads."""
         with self._cond:
             self._closed = True
-            self._cond.notify()
-        self._thread.join()
+            self._cond.notify_all()
+        for thread in self._threads:
+            thread.join()
 
-    def _queued(self, setting: Setting) -> int:
-        return sum(len(r.questions) for r in self._pending if r.setting == setting)
+    # -----------------------------------------------------------------------------------------
+    # Preparing
 
-    def _next_batch(self) -> list[_Request] | None:
-        """Blocks until a batch is due; takes it off the queue (None: closed and empty)."""
+    def _fitting(self, requests: list[_Request], setting: Setting) -> list[_Request]:
+        """The oldest of `requests` of `setting` that fit in one call (one that does not waits)."""
+        taken, count = [], 0
+        for r in requests:
+            if r.setting == setting and count + len(r.questions) <= self.max_batch:
+                taken.append(r)
+                count += len(r.questions)
+        return taken
+
+    def _prepare_at(self, first: _Request) -> float:
+        """When to prepare the queue whose oldest request is `first` (time.monotonic())."""
+        if self._call_start is None:  # idle: it will start with what this preparation makes
+            return max(first.arrived, self._idle_since) + self.max_wait_s
+        free_at = self._call_start + (self._call_s or 0.0)
+        return max(first.arrived + self.max_wait_s, free_at - (self._prepare_s or 0.0))
+
+    def _next_group(self) -> list[_Request] | None:
+        """Blocks until a preparation is due; takes its requests (None: closed and empty)."""
         with self._cond:
-            while not self._pending:
-                if self._closed:
+            while True:
+                queued = [r for r in self._pending if not r.preparing]
+                if not queued:
+                    if self._closed:
+                        return None
+                    self._cond.wait()
+                    continue
+                first = queued[0]
+                count = sum(len(r.questions) for r in queued if r.setting == first.setting)
+                left = self._prepare_at(first) - time.monotonic()
+                if self._closed or count >= self.max_batch or left <= 0:
+                    break
+                self._cond.wait(left)  # woken early by arrivals and by the worker's calls
+            group = self._fitting(queued, first.setting)
+            for r in group:
+                r.preparing = True
+            return group
+
+    def _prepare_loop(self) -> None:
+        while (group := self._next_group()) is not None:
+            setting = group[0].setting
+            start = time.monotonic()
+            prepared, together = {}, True  # id(request) -> its items
+            try:
+                items = self.prepare_fn([q for r in group for q in r.questions], setting)
+                at = 0
+                for r in group:
+                    prepared[id(r)] = items[at : at + len(r.questions)]
+                    at += len(r.questions)
+            except Exception as e:  # noqa: BLE001 - handed to its request, or each tried alone
+                together = False
+                if len(group) == 1:
+                    _fail(group[0], e)
+                else:  # one request's questions may be what failed: prepare each on its own
+                    for r in group:
+                        try:
+                            prepared[id(r)] = self.prepare_fn(r.questions, setting)
+                        except Exception as e:  # noqa: BLE001 - handed to this request only
+                            _fail(r, e)
+            seconds = time.monotonic() - start
+            with self._cond:
+                if together:  # one call: a measure of the next
+                    self._prepare_s = _mean(self._prepare_s, seconds)
+                for r in group:
+                    r.prepared = prepared.get(id(r))
+                # A request that failed is answered (with its error): no longer pending.
+                self._pending = [
+                    r for r in self._pending if not r.preparing or r.prepared is not None
+                ]
+                self._cond.notify_all()
+
+    # -----------------------------------------------------------------------------------------
+    # Answering
+
+    def _next_call(self) -> list[_Request] | None:
+        """Blocks until prepared requests wait (and no preparation under way would join them);
+        takes the oldest setting's, up to `max_batch` questions (None: closed and all done)."""
+        with self._cond:
+            while True:
+                prepared = [r for r in self._pending if r.prepared is not None]
+                if prepared:
+                    first = prepared[0]
+                    call = self._fitting(prepared, first.setting)
+                    count = sum(len(r.questions) for r in call)
+                    joining = sum(
+                        len(r.questions)
+                        for r in self._pending
+                        if r.preparing and r.prepared is None and r.setting == first.setting
+                    )
+                    if not joining or count + joining > self.max_batch:
+                        break
+                elif self._closed and not self._pending:
                     return None
                 self._cond.wait()
-            first = self._pending[0]
-            deadline = max(first.arrived, self._idle_since) + self.max_wait_s
-            while not self._closed and self._queued(first.setting) < self.max_batch:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    break
-                self._cond.wait(left)
-            batch, rest, count = [], [], 0
-            for r in self._pending:  # oldest first; a request that does not fit waits
-                if r.setting == first.setting and count + len(r.questions) <= self.max_batch:
-                    batch.append(r)
-                    count += len(r.questions)
-                else:
-                    rest.append(r)
-            self._pending = rest
-            return batch
+            taken = {id(r) for r in call}
+            self._pending = [r for r in self._pending if id(r) not in taken]
+            self._call_start = time.monotonic()
+            self._cond.notify_all()  # the preparing thread times its next group by this call
+            return call
 
-    def _run(self) -> None:
-        while (batch := self._next_batch()) is not None:
+    def _answer_loop(self) -> None:
+        while (call := self._next_call()) is not None:
             # A request whose client went away was cancelled: drop it. The others can no longer
             # be cancelled, so setting their results below cannot fail.
-            batch = [r for r in batch if r.future.set_running_or_notify_cancel()]
-            if not batch:
-                continue
-            questions = [q for r in batch for q in r.questions]
+            call = [r for r in call if r.future.set_running_or_notify_cancel()]
             start = time.monotonic()
-            try:
-                answers = self.answer_fn(questions, batch[0].setting)
-            except Exception as e:  # noqa: BLE001 - handed to its request, or each tried alone
-                if len(batch) == 1:
-                    self._idle_since = time.monotonic()
-                    batch[0].future.set_exception(e)
-                    continue
-                # One request's questions may be what failed: answer each request on its own,
-                # so that only a failing one fails and the others get their answers.
-                for r in batch:
-                    self._answer_alone(r)
+            if call:
+                self._answer(call)
+            with self._cond:
                 self._idle_since = time.monotonic()
-                continue
-            self._idle_since = time.monotonic()
-            seconds = self._idle_since - start
-            at = 0
-            for r in batch:
-                r.future.set_result(answers[at : at + len(r.questions)])
-                at += len(r.questions)
-            if self._on_batch is not None:
-                self._on_batch(len(questions), len(batch), seconds)
+                if call:
+                    self._call_s = _mean(self._call_s, self._idle_since - start)
+                self._call_start = None
+                self._cond.notify_all()
+
+    def _answer(self, call: list[_Request]) -> None:
+        setting = call[0].setting
+        items = [x for r in call for x in r.prepared]
+        start = time.monotonic()
+        try:
+            answers = self.answer_fn(items, setting)
+        except Exception as e:  # noqa: BLE001 - handed to its request, or each tried alone
+            if len(call) == 1:
+                call[0].future.set_exception(e)
+                return
+            # One request's questions may be what failed: answer each request on its own, so
+            # that only a failing one fails and the others get their answers.
+            for r in call:
+                self._answer_alone(r)
+            return
+        seconds = time.monotonic() - start
+        at = 0
+        for r in call:
+            r.future.set_result(answers[at : at + len(r.questions)])
+            at += len(r.questions)
+        if self._on_batch is not None:
+            self._on_batch(len(items), len(call), seconds)
 
     def _answer_alone(self, request: _Request) -> None:
         start = time.monotonic()
         try:
-            answers = self.answer_fn(request.questions, request.setting)
+            answers = self.answer_fn(list(request.prepared), request.setting)
         except Exception as e:  # noqa: BLE001 - handed to this request only
             request.future.set_exception(e)
             return
         request.future.set_result(answers)
         if self._on_batch is not None:
             self._on_batch(len(request.questions), 1, time.monotonic() - start)
+
+
+def _fail(request: _Request, error: Exception) -> None:
+    """Hands `error` to `request`, unless its client went away (then it is dropped)."""
+    if request.future.set_running_or_notify_cancel():
+        request.future.set_exception(error)

@@ -52,11 +52,14 @@ class InProcess:
         )
         self.thread.start()
 
-    def wait_ready(self, timeout=600.0):
+    def wait_ready(self, timeout=600.0, compiled=True):
+        """Until `/healthz` says ready (and, with `compiled`, that the programs the server
+        compiles in the background after it turned ready are all compiled too)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             try:
-                if httpx.get(f"{self.url}/healthz", timeout=2).status_code == 200:
+                health = httpx.get(f"{self.url}/healthz", timeout=2)
+                if health.status_code == 200 and (health.json()["compiled"] or not compiled):
                     return
             except httpx.TransportError:
                 pass
@@ -83,21 +86,23 @@ def served(tiny_trained_run, tmp_path_factory):
 
 
 class Gate:
-    """Wraps the batcher's `answer_fn`: records every call's questions, holds calls while
-    closed, and raises for a question holding "poison"."""
+    """Wraps the batcher's `answer_fn` (its generating stage: the questions come prepared):
+    records every call's questions, holds calls while closed, and raises for a question holding
+    "poison"."""
 
     def __init__(self, state):
         self.batcher, self.inner = state.batcher, state.batcher.answer_fn
         self.calls, self.open, self.entered = [], threading.Event(), threading.Event()
         self.open.set()
 
-    def __call__(self, questions, setting):
-        self.calls.append(tuple(questions))
+    def __call__(self, prepared, setting):
+        questions = tuple(p.question for p in prepared)
+        self.calls.append(questions)
         self.entered.set()
         self.open.wait(60)
         if any("poison" in q for q in questions):
             raise RuntimeError("poisoned")
-        return self.inner(questions, setting)
+        return self.inner(prepared, setting)
 
     def __enter__(self):
         self.batcher.answer_fn = self
@@ -184,11 +189,11 @@ def test_a_failing_batch_fails_only_the_request_at_fault(served):
 
 @SERVED
 def test_a_question_over_the_limit_is_refused_before_it_is_batched(served):
-    before = httpx.get(f"{served.url}/metrics").json()["batches"]["count"]
+    before = httpx.get(f"{served.url}/v1/metrics").json()["batches"]["count"]
     long = "who " * 60  # 240 characters
     body = json.dumps({"questions": [QUESTION, long]}).encode()
     _error(_post(served.url, body), 413, "questions[1]: 240 characters, at most 200")
-    assert httpx.get(f"{served.url}/metrics").json()["batches"]["count"] == before
+    assert httpx.get(f"{served.url}/v1/metrics").json()["batches"]["count"] == before
     assert httpx.get(f"{served.url}/v1/info").json()["max_question_chars"] == 200
 
 
@@ -206,7 +211,7 @@ def test_a_cold_setting_compiles_in_the_background_while_steady_traffic_is_answe
     _error(response, 503, f"num_beams={cold['num_beams']}", "compiling")
     assert int(response.headers["retry-after"]) >= 1
     latencies = []
-    while httpx.get(f"{served.url}/metrics").json()["settings"]["compiling"]:
+    while httpx.get(f"{served.url}/v1/metrics").json()["settings"]["compiling"]:
         sent = time.monotonic()
         assert _post(served.url, default).status_code == 200
         latencies.append(time.monotonic() - sent)
