@@ -47,7 +47,7 @@ setup(
             "uvicorn>=0.30",
             "prometheus-client>=0.20,<1",
             "httpx>=0.27",
-            "accelerate",  # transformers needs it to load a GGUF model (tests/hf_llama_test.py)
+            "accelerate",  # transformers needs it to load a GGUF model (tests/io/hf_llama_test.py)
         ],
         # The TPU runtime and compiler (libtpu): for TPU VMs, and for compiling for a TPU
         # topology on any host (experiments/tpu_compile.py). At the jax version of the CI pins.

@@ -29,7 +29,8 @@ from jax.sharding import PartitionSpec as P
 
 from benchmarks.flops import device_peaks, train_flops
 from benchmarks.search_check import search_check
-from rag_jax import distributed, rag, sharding
+from rag_jax import rag
+from rag_jax.devices import distributed, sharding
 from rag_jax.models import bart, bert
 from rag_jax.training.optim import make_optimizer, settings_for
 from rag_jax.training.step import TrainState, make_train_step

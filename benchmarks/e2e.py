@@ -57,7 +57,8 @@ from transformers.models.rag import retrieval_rag
 from benchmarks import common
 from benchmarks import floor as step_floor
 from benchmarks import train_step as ts
-from rag_jax import hf, rag
+from rag_jax import rag
+from rag_jax.io import hf
 from rag_jax.retrieval.build import workdir_store
 from rag_jax.retrieval.corpus import Passage
 from rag_jax.retrieval.index import ExactIndex

@@ -27,7 +27,7 @@ import torch
 import transformers
 
 from benchmarks import common
-from rag_jax import hf
+from rag_jax.io import hf
 from rag_jax.retrieval import encode
 
 SQUAD = pathlib.Path(__file__).resolve().parents[3] / "shared/data/squad11_dev/passages.jsonl"

@@ -27,7 +27,8 @@ import transformers
 
 from benchmarks import common
 from benchmarks.train_step import save_hf_rag
-from rag_jax import hf, rag
+from rag_jax import rag
+from rag_jax.io import hf
 
 N_DOCS, CONTEXT, BEAMS = 5, 128, 4
 # Passed identically to HF `generate` and to `rag.generate` (BART's forced BOS/EOS, as RAG uses).

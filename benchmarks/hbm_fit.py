@@ -11,7 +11,7 @@ Legend: B global batch, n chips.
 import math
 
 from benchmarks.tpu_topology import Target
-from rag_jax.device_memory import human_bytes
+from rag_jax.devices.device_memory import human_bytes
 
 
 def needed_bytes(row: dict) -> int | None:

@@ -12,6 +12,13 @@ cost analysis counts a loop body once, whatever its trip count). A loop without 
 as often as its counter says: `i < limit`, from a constant start, by a constant step. The same
 walk counts the matmuls' FLOPs (`dot` and `convolution`) with every loop iteration.
 
+Each instruction's bytes go to a part of the model by its JAX op name (`_part`); the copies and
+slices XLA adds to move arrays into on-chip memory and back have none, and count with the
+instruction they serve (`_served`). What lies outside the differentiated function ("optimizer and
+the rest") is split by what it does (`_outside_part`): the optimizer update, the gradient norms,
+casts, collectives, copies. An async slice (`slice-start`, several of which prefetch one large
+array) reads only its slice.
+
 It is an estimate, not a measurement: a fusion that tiles a large operand may read it more than
 once (more traffic), an in-place update writes only its slice (less), and small arrays are
 counted without their padding to the (8, 128) tiles.
@@ -137,6 +144,8 @@ class Traffic:
     hbm_bytes: float = 0.0  # read and written at top-level instructions, memory space 0
     by_scope: dict = dataclasses.field(default_factory=dict)  # forward | backward | other
     by_part: dict = dataclasses.field(default_factory=dict)  # attention, feed-forward, ...
+    # by_part's "optimizer and the rest" split by what its instructions do (`_outside_part`)
+    outside_by_kind: dict = dataclasses.field(default_factory=dict)
     collectives: dict = dataclasses.field(default_factory=dict)  # kind -> result bytes
     collective_dtypes: dict = dataclasses.field(default_factory=dict)  # "kind dtype" -> bytes
     host_transfers: list = dataclasses.field(default_factory=list)  # "opcode name" lines
@@ -182,6 +191,76 @@ def _part(name: str) -> str:
     if "layer_" in name or re.search(r"/layers_\d+/", name):
         return "layers, other"
     return "embeddings, vocabulary logits and the loss"
+
+
+# The split of "optimizer and the rest" (`_outside_part`), in the order its rules are tried.
+OUTSIDE_PARTS = (
+    "collectives",
+    "copies and layout changes",
+    "optimizer update",
+    "gradient norms",
+    "casts",
+    "other",
+)
+# Opcodes that only move or relabel data: a fusion of nothing else is a copy or a layout change.
+_MOVES = {
+    "parameter", "tuple", "get-tuple-element", "bitcast", "copy", "transpose", "reshape",
+    "broadcast", "slice", "dynamic-slice", "dynamic-update-slice", "concatenate", "pad",
+    "constant",
+}  # fmt: skip
+_FLOATS = re.compile(r"\b(f64|f32|bf16|f16|f8\w*)\[")
+
+
+def _fused_opcodes(name: str, computations: dict, seen: tuple = ()) -> set:
+    """The opcodes of a fused computation and of the computations it calls."""
+    found = set()
+    for inst in computations.get(name, []):
+        found.add(inst.opcode)
+        for callee in _CALLED.findall(inst.attrs):
+            if callee[1] in computations and callee[1] not in seen:
+                found |= _fused_opcodes(callee[1], computations, (*seen, callee[1]))
+    return found
+
+
+def _outside_part(inst: Instruction, computations: dict, shapes: dict) -> str:
+    """What a top-level instruction outside the differentiated function does ("optimizer and
+    the rest" in `_part`), from its opcode and what its fusion computes; JAX names these
+    instructions after their primitive alone (`jit(step)/add`), so the op name cannot tell.
+
+    - collectives: all-reduce, reduce-scatter, all-gather, ... (the gradients' sum when XLA
+      places it after the backward pass, fsdp's gathers);
+    - copies and layout changes: `copy`, `copy-start` and `slice-start` (to and from on-chip
+      memory included), and fusions that only move data (transpose, slice, concatenate,
+      dynamic-update-slice);
+    - optimizer update: a fusion that takes a square root (AdamW's sqrt of the second moment):
+      the moments and the new parameters, in one multi-output fusion per parameter;
+    - gradient norms: a fusion or reduce whose results are all scalars (clipping's global norm,
+      the logged gradient norms), which reads every gradient;
+    - casts: a fusion whose floating-point results have a dtype none of its floating-point
+      operands has, with no reduction (float32 parameters rounded to bfloat16 for the
+      matmuls, bfloat16 gradients widened to float32);
+    - other: the rest (the step counter, the schedule, scalars)."""
+    kind = inst.opcode.removesuffix("-start")
+    if kind in _COLLECTIVES:
+        return "collectives"
+    if kind in ("copy", "slice"):
+        return "copies and layout changes"
+    called = dict(_CALLED.findall(inst.attrs)).get("calls")
+    ops = _fused_opcodes(called, computations) if inst.opcode == "fusion" else {inst.opcode}
+    if ops & {"all-reduce", "reduce-scatter", "all-gather", "all-to-all", "collective-permute"}:
+        return "collectives"
+    if ops <= _MOVES:
+        return "copies and layout changes"
+    if ops & {"sqrt", "rsqrt"}:
+        return "optimizer update"
+    results = _ARRAY.findall(inst.shape)
+    if "reduce" in ops and results and all(not dims for _, dims, _ in results):
+        return "gradient norms"
+    out_floats = set(_FLOATS.findall(inst.shape))
+    in_floats = {d for o in inst.operands for d in _FLOATS.findall(shapes.get(o, ""))}
+    if "convert" in ops and "reduce" not in ops and out_floats and not out_floats & in_floats:
+        return "casts"
+    return "other"
 
 
 _INDEX = re.compile(r"\bindex=(\d+)")
@@ -308,6 +387,71 @@ def trip_count(inst: Instruction, computations: dict, caller: str) -> int | None
     return max(0, -(-(limit - start) // increment))
 
 
+def _served(instructions: list) -> dict:
+    """{name: the instruction it serves} for the instructions of one computation that XLA made
+    without a JAX op name (the copies and slices that move an array into on-chip memory and
+    back): the first consumer with an op name, through the "-done" halves, bitcasts, tuples and
+    XLA's other unnamed instructions (the concatenation of a prefetch's slices); without one
+    (an array copied out to HBM for the program's result), the producer of its operand. Their
+    traffic counts with the part they serve (a weight prefetched for an attention matmul, a
+    parameter for the optimizer update), not as a part of its own."""
+    table = {i.name: i for i in instructions}
+    users: dict = {}
+    for inst in instructions:
+        for operand in inst.operands:
+            users.setdefault(operand, []).append(inst)
+
+    def named(inst):  # an instruction of JAX's with data of its own to move
+        return (
+            _OP_NAME.search(inst.attrs) is not None
+            and inst.opcode not in _FREE
+            and not inst.opcode.endswith(("-start", "-done"))
+        )
+
+    memo: dict = {}
+
+    def consumer(name):
+        if name not in memo:
+            memo[name] = None
+            for user in users.get(name, []):
+                found = user if named(user) else consumer(user.name)
+                if found is not None:
+                    memo[name] = found
+                    break
+        return memo[name]
+
+    def producer(name, depth=0):
+        inst = table.get(name)
+        if inst is None or depth > 8:
+            return None
+        if named(inst):
+            return inst
+        return producer(inst.operands[0], depth + 1) if inst.operands else None
+
+    out = {}
+    for inst in instructions:
+        if named(inst) or inst.opcode in _FREE:
+            continue
+        found = consumer(inst.name) or (producer(inst.operands[0]) if inst.operands else None)
+        if found is not None:
+            out[inst.name] = found
+    return out
+
+
+def _async_slice_bytes(inst: Instruction, shapes: dict) -> tuple[float, float]:
+    """(read, written) HBM bytes of a `slice-start`, whose shape is ((operand), slice,
+    context): it reads only its slice of the operand (XLA prefetches a large array into on-chip
+    memory as several such slices, each one counted whole would count the array as often), and
+    writes the slice, to HBM only when the slice lives there."""
+    arrays = _ARRAY.findall(inst.shape)
+    if len(arrays) <= len(inst.operands) or not inst.operands:
+        return 0.0, 0.0
+    dtype, dims, layout = arrays[len(inst.operands)]
+    piece = f"{dtype}[{dims}]{layout}"
+    in_hbm = shape_bytes(shapes.get(inst.operands[0], "")) > 0
+    return shape_bytes(piece, None) * in_hbm, shape_bytes(piece)
+
+
 def traffic(hlo_text: str) -> Traffic:
     """HBM traffic, collectives and host transfers of one execution of a compiled program."""
     computations, entry = parse(hlo_text)
@@ -359,6 +503,7 @@ def traffic(hlo_text: str) -> Traffic:
     def visit(name: str, times: float, seen: tuple, once: float = 1.0) -> None:
         """`times`: how often `name` runs; `once`: how often XLA's cost analysis counts it."""
         shapes = {i.name: i.shape for i in computations[name]}
+        served = _served(computations[name])
         for inst in computations[name]:
             if host_transfer(inst):
                 out.host_transfers.append(f"{inst.opcode} {inst.name} (in {name})")
@@ -387,12 +532,19 @@ def traffic(hlo_text: str) -> Traffic:
             written = shape_bytes(inst.shape)
             if inst.opcode.endswith("-start") and inst.shape.startswith("("):
                 written = max(written - read, 0.0)  # the start's tuple holds its operands too
+            if inst.opcode == "slice-start":
+                read, written = _async_slice_bytes(inst, shapes)
             moved = (read + written) * times
             out.hbm_bytes += moved
-            op_name = _OP_NAME.search(inst.attrs)
+            who = served.get(inst.name, inst)
+            op_name = _OP_NAME.search(who.attrs)
             op_name = op_name.group(1) if op_name else ""
-            for table, key in ((out.by_scope, _scope(op_name)), (out.by_part, _part(op_name))):
+            part = _part(op_name)
+            for table, key in ((out.by_scope, _scope(op_name)), (out.by_part, part)):
                 table[key] = table.get(key, 0.0) + moved
+            if part == "optimizer and the rest":
+                key = _outside_part(who, computations, shapes)
+                out.outside_by_kind[key] = out.outside_by_kind.get(key, 0.0) + moved
             collective(inst, shapes, times)
 
     visit(entry, 1.0, (entry,))

@@ -14,7 +14,7 @@ import torch
 import transformers
 
 from benchmarks import common
-from rag_jax import hf
+from rag_jax.io import hf
 from rag_jax.models import bart, bert
 
 # (name, HF config kwargs, batch, length)

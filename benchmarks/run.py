@@ -7,16 +7,17 @@ Each suite lives in `benchmarks/<suite>.py` and exposes `run(quick: bool) -> dic
 {"columns": [...], "rows": [...], ...}; rows carry absolute times and the ratio to the reference.
 Results are printed as tables and written to `<out>/<suite>.json`.
 
-The script first restarts itself with `rag_jax.host`'s settings: glibc's large allocations on
-transparent huge pages and OpenBLAS's idle workers asleep (both sides share the process and so the
-settings). `RAG_JAX_HUGE_PAGES=0` and `OPENBLAS_THREAD_TIMEOUT=28` measure without them.
+The script first restarts itself with `rag_jax.devices.host`'s settings: glibc's large
+allocations on transparent huge pages and OpenBLAS's idle workers asleep (both sides share the
+process and so the settings). `RAG_JAX_HUGE_PAGES=0` and `OPENBLAS_THREAD_TIMEOUT=28` measure
+without them.
 """
 
 import argparse
 import importlib
 import os
 
-from rag_jax import host
+from rag_jax.devices import host
 
 SUITES = ("models", "index", "encode", "train_step", "generate", "e2e", "causal")
 
@@ -40,7 +41,7 @@ def main(argv=None):
     from benchmarks import common
 
     os.makedirs(args.out, exist_ok=True)
-    # Both sides share the process, so both run on the same host settings (`rag_jax.host`).
+    # Both sides share the process, so both run on the same host settings (`rag_jax.devices.host`).
     host_settings = {
         "glibc_tunables": os.environ.get("GLIBC_TUNABLES", ""),
         "transparent_huge_pages": host.thp_mode(),

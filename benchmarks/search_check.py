@@ -19,7 +19,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from rag_jax import sharding
+from rag_jax.devices import sharding
 from rag_jax.retrieval.device_index import DeviceIndex
 
 SEARCH_GOAL, SEARCH_GOAL_MAX_BATCH = 0.70, 64  # of the bound, at batches up to this size

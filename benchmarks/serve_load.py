@@ -175,7 +175,7 @@ def _questions(bundle_dir: pathlib.Path, path: str | None) -> list[str]:
 def run(args) -> dict:
     import httpx
 
-    from rag_jax import bundle
+    from rag_jax.io import bundle
 
     bundle_dir = pathlib.Path(args.bundle)
     questions = _questions(bundle_dir, args.questions)

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks.flops import device_peaks
-from rag_jax import sharding
+from rag_jax.devices import sharding
 
 # TPU generations this tool plans for (the keys of `benchmarks.flops.PEAKS` name their
 # peaks), with what the topology description needs: v4 and v5p chips are one JAX device of two

@@ -46,7 +46,8 @@ import transformers
 from benchmarks import common
 from benchmarks import floor as step_floor
 from benchmarks.flops import train_flops
-from rag_jax import hf, rag
+from rag_jax import rag
+from rag_jax.io import hf
 from rag_jax.training.optim import make_optimizer, settings_for
 from rag_jax.training.step import init_state, make_train_step
 

@@ -4,7 +4,7 @@ r"""Answers questions with the passages they came from, from a bundle or a train
         --question "where was resa nemobu born ?" --question "which animal does resa nemobu keep ?"
     python experiments/ask.py --workdir /tmp/rag_default --question "..." --variant token
 
-`--bundle` opens a trained run's bundle (`rag_jax.bundle`: seconds, no data or encoding);
+`--bundle` opens a trained run's bundle (`rag_jax.io.bundle`: seconds, no data or encoding);
 `--workdir` restores the newest checkpoint and its experiment instead. Prints, per question, the
 N retrieved passages with p(z|x) (prior) and p(z|x,y) (posterior: which one the answer came from),
 the answer and its log-likelihood, and with RAG-Token the passage each answer token came from;
@@ -16,7 +16,8 @@ import json
 
 from absl import app, flags, logging
 
-from rag_jax import bundle, distributed, host
+from rag_jax.devices import distributed, host
+from rag_jax.io import bundle
 
 _BUNDLE = flags.DEFINE_string("bundle", None, "a bundle folder (<workdir>/bundle)")
 _WORKDIR = flags.DEFINE_string("workdir", None, "a training workdir (checkpoints + config)")

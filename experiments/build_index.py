@@ -28,7 +28,7 @@ for about 96% of them.
 
 import argparse
 
-from rag_jax import host
+from rag_jax.devices import host
 from rag_jax.retrieval import encode
 from rag_jax.retrieval.build import build_index
 

@@ -11,7 +11,8 @@ Runtime: ~10 s on 2 CPU cores.
 import jax
 import numpy as np
 
-from rag_jax import hf, host
+from rag_jax.devices import host
+from rag_jax.io import hf
 from rag_jax.models import bert
 
 QUESTIONS = ["Where was Marie Curie born?", "Who wrote Pride and Prejudice?"]

@@ -6,7 +6,7 @@ r"""Evaluates a trained model on held-out questions: EM, F1, answer and gold rec
 
 `--workdir` restores the newest checkpoint and its config, evaluates the run's held-out questions
 and writes `<workdir>/eval_predictions.jsonl` (answer, gold answers and retrieved passage ids per
-question). `--bundle` opens a bundle (`rag_jax.bundle`: no data files, warm starts or encoding)
+question). `--bundle` opens a bundle (`rag_jax.io.bundle`: no data files, warm starts or encoding)
 and evaluates the questions of a QA file (.jsonl/.csv/.tsv: question, answers, optional gold_ids;
 a run's `predictions.jsonl` reads as one); `--predictions` writes them. Prints the metrics as JSON.
 """
@@ -17,7 +17,9 @@ import pathlib
 
 from absl import app, flags, logging
 
-from rag_jax import bundle, data, evaluation, host
+from rag_jax.devices import host
+from rag_jax.io import bundle
+from rag_jax.run import data, evaluation
 from rag_jax.training import loop
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "a training workdir (checkpoints + config)")

@@ -4,7 +4,7 @@ r"""Exports a trained model: a bundle from any checkpoint step, or transformers'
     python experiments/export.py --workdir /tmp/rag_default --hf /tmp/rag_hf --variant token
     python experiments/export.py --bundle /tmp/rag_default/bundle --hf /tmp/rag_hf
 
-`--out` writes a bundle (`rag_jax.bundle`: what `ask.py --bundle` and `evaluate.py --bundle`
+`--out` writes a bundle (`rag_jax.io.bundle`: what `ask.py --bundle` and `evaluate.py --bundle`
 open). `--hf` writes a `save_pretrained` folder that `RagSequenceForGeneration` /
 `RagTokenForGeneration.from_pretrained` load, with the passages as a `datasets` dataset and a
 faiss index for `RagRetriever.from_pretrained(D, index_name="custom", passages_path=...,
@@ -16,7 +16,8 @@ import json
 
 from absl import app, flags, logging
 
-from rag_jax import bundle, distributed, host
+from rag_jax.devices import distributed, host
+from rag_jax.io import bundle
 from rag_jax.training import loop
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "a training workdir (checkpoints + config)")

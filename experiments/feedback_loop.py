@@ -16,7 +16,7 @@ import os
 import pathlib
 
 import feedback_study
-from rag_jax import host
+from rag_jax.devices import host
 
 # Loaded by path, as `--config experiments/configs/feedback.py` would load it.
 _SPEC = importlib.util.spec_from_file_location(

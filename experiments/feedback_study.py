@@ -20,10 +20,11 @@ import time
 
 import ml_collections
 
-from rag_jax import data, distributed, evaluation, settings, synthetic
+from rag_jax.devices import distributed
 from rag_jax.retrieval import files
 from rag_jax.retrieval.build import workdir_store
 from rag_jax.retrieval.corpus import Passage
+from rag_jax.run import data, evaluation, settings, synthetic
 from rag_jax.training import loop
 
 FREEZE_RETRIEVER = r"^(passage_encoder/|question_encoder/|generator/final_logits_bias)"

@@ -16,7 +16,7 @@ errors and the timeouts: `rag_jax.serving.app`.
 
 from absl import app, flags, logging
 
-from rag_jax import host
+from rag_jax.devices import host
 
 _BUNDLE = flags.DEFINE_string("bundle", None, "a bundle folder (<workdir>/bundle)", required=True)
 _HOST = flags.DEFINE_string("host", "127.0.0.1", "address to bind (loopback by default)")

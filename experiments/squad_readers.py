@@ -26,9 +26,10 @@ import time
 
 import numpy as np
 
-from rag_jax import data, evaluation, experiment, host, settings, validation
+from rag_jax.devices import host
 from rag_jax.retrieval import files
 from rag_jax.retrieval.corpus import read_passages
+from rag_jax.run import data, evaluation, experiment, settings, validation
 from squad_study import CONFIGS  # the configs, loaded by path
 
 squad_open = CONFIGS["squad_open"]

@@ -36,10 +36,11 @@ import pathlib
 import numpy as np
 
 import feedback_study
-from rag_jax import distributed, evaluation, host, settings
+from rag_jax.devices import distributed, host
 from rag_jax.retrieval import files
 from rag_jax.retrieval.build import workdir_store
 from rag_jax.retrieval.index import ExactIndex
+from rag_jax.run import evaluation, settings
 from rag_jax.training import loop, salient
 
 

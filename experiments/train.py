@@ -13,7 +13,8 @@ import json
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from rag_jax import host, settings
+from rag_jax.devices import host
+from rag_jax.run import settings
 from rag_jax.training import loop
 
 _CONFIG = config_flags.DEFINE_config_file(

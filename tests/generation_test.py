@@ -17,7 +17,8 @@ import transformers
 from rag_test import GEN, HF_IDS, B, N, T, _assert_same_tokens, inputs, models, save_rag
 
 import hf_fixtures
-from rag_jax import generation, hf, rag, sequence_candidates
+from rag_jax import generation, rag, sequence_candidates
+from rag_jax.io import hf
 from rag_jax.models import bart
 
 __all__ = ["models"]  # the module-scoped RAG fixture, shared with rag_test

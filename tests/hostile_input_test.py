@@ -24,10 +24,10 @@ from hypothesis import strategies as st
 from tokenizers import ByteLevelBPETokenizer
 from transformers import BartTokenizer
 
-from rag_jax import data, metrics
 from rag_jax.retrieval import corpus
 from rag_jax.retrieval.corpus import Passage
 from rag_jax.retrieval.store import PassageStore, context_string
+from rag_jax.run import data, metrics
 
 FAST = settings(max_examples=60, deadline=None)
 SLOWER = settings(max_examples=20, deadline=None)  # each example builds a passage store

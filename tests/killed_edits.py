@@ -1,5 +1,5 @@
 """A process that runs `Bundle.edit` in children of its own and SIGKILLs each at a chosen file
-operation: the real crash of `tests/bundle_crash_test.py`, at deterministic points.
+operation: the real crash of `tests/io/bundle_crash_test.py`, at deterministic points.
 
 Run as `python tests/killed_edits.py <compilation cache>`. It imports rag_jax once, prints
 "ready", then reads one JSON job a line from stdin:
@@ -71,7 +71,7 @@ def normalized(event: str, args: tuple, root: str) -> list[str]:
 
 
 def _child(job: dict) -> None:
-    from rag_jax import bundle
+    from rag_jax.io import bundle
 
     directory = os.path.abspath(job["bundle"])
     root = os.path.dirname(directory)
@@ -101,7 +101,7 @@ def _child(job: dict) -> None:
 def main(cache: str) -> None:
     import jax
 
-    from rag_jax import bundle  # noqa: F401 - imported once, here, for every child
+    from rag_jax.io import bundle  # noqa: F401 - imported once, here, for every child
 
     # Compiled once (the first child), read by the others; no backend starts in this process.
     jax.config.update("jax_compilation_cache_dir", cache)

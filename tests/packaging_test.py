@@ -15,4 +15,12 @@ def test_every_subpackage_is_installed():
         if "__pycache__" not in p.parts
     }
     assert folders <= shipped, sorted(folders - shipped)
-    assert {"rag_jax.models", "rag_jax.retrieval", "rag_jax.training"} <= shipped
+    assert {
+        "rag_jax.models",
+        "rag_jax.retrieval",
+        "rag_jax.training",
+        "rag_jax.io",
+        "rag_jax.run",
+        "rag_jax.devices",
+        "rag_jax.serving",
+    } <= shipped

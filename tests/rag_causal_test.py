@@ -15,7 +15,8 @@ import pytest
 import torch
 
 import hf_fixtures
-from rag_jax import decoding, hf, rag, rag_math
+from rag_jax import decoding, rag, rag_math
+from rag_jax.io import hf
 from rag_jax.models import bert
 
 B, N, S, T = 2, 3, 8, 5

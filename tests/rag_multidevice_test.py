@@ -18,7 +18,9 @@ import transformers
 from jax.sharding import PartitionSpec as P
 
 import hf_fixtures
-from rag_jax import hf, rag, sharding
+from rag_jax import rag
+from rag_jax.devices import sharding
+from rag_jax.io import hf
 
 NUM_DEVICES = 8
 B, N, S, T, Q, D = 16, 3, 11, 7, 6, 8

@@ -14,7 +14,8 @@ import torch
 import transformers
 
 import hf_fixtures
-from rag_jax import hf, rag
+from rag_jax import rag
+from rag_jax.io import hf
 
 B, N, S, T, Q = 2, 3, 9, 6, 5
 # Settings passed identically to HF generate and to rag.generate (BART-large style forcing).

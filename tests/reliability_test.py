@@ -28,12 +28,13 @@ import pytest
 
 import hf_fixtures
 from experiments.configs import default as default_config
-from rag_jax import checkpoints, experiment, hf, settings, validation
+from rag_jax.io import hf
 from rag_jax.retrieval import encode, files, index
 from rag_jax.retrieval.build import build_index, load_passage_encoder
 from rag_jax.retrieval.corpus import Passage
 from rag_jax.retrieval.store import PassageStore
 from rag_jax.retrieval.vectors import load_vectors
+from rag_jax.run import checkpoints, experiment, settings, validation
 from rag_jax.training import ict, loop
 from rag_jax.training.batcher import Batcher
 
@@ -173,7 +174,7 @@ _SAVE_AND_DIE = textwrap.dedent(
     import os, signal, sys
     import jax.numpy as jnp, numpy as np
     from orbax.checkpoint._src.path import async_path
-    from rag_jax import checkpoints
+    from rag_jax.run import checkpoints
 
     workdir, where = sys.argv[1], sys.argv[2]
     state = lambda s: {"w": jnp.asarray(np.random.default_rng(s).normal(size=(256, 256)),

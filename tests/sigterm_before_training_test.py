@@ -15,9 +15,9 @@ import jax
 import numpy as np
 import pytest
 
-from rag_jax import experiment
 from rag_jax.retrieval import encode
 from rag_jax.retrieval import retriever as retriever_lib
+from rag_jax.run import experiment
 from tiny_runs import tiny_config
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -29,7 +29,7 @@ NO_WARM_STARTS = {"warm_start.method": "none", "warm_start.reader_steps": 0}
 _DRIVER = textwrap.dedent(
     """
     import json, sys, time
-    from rag_jax import checkpoints
+    from rag_jax.run import checkpoints
     from rag_jax.retrieval import encode, retriever
     from rag_jax.training import loop
     from tiny_runs import tiny_config

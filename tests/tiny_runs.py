@@ -7,7 +7,7 @@ import jax
 import numpy as np
 
 from experiments.configs import default as default_config
-from rag_jax import settings
+from rag_jax.run import settings
 
 
 def tiny_config(**overrides):

@@ -7,7 +7,7 @@
 #
 # The words after `--` form one shell command line, run by bash in ~/rag_jax with the venv of
 # tpu/setup.sh on PATH. On a slice of several hosts every worker gets JAX_COORDINATOR_ADDRESS
-# (worker 0's internal IP and --port): that is what `rag_jax.distributed.
+# (worker 0's internal IP and --port): that is what `rag_jax.devices.distributed.
 # maybe_initialize_distributed()` looks for, and `jax.distributed.initialize()` takes the
 # coordinator from it and the process id and count from the TPU metadata. The command runs
 # detached (tpu/worker_run.sh); logs stay in ~/rag_jax_runs/RUN_ID/ on each worker, so a lost

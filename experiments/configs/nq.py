@@ -39,17 +39,17 @@ on which TPU, and the roofline step time: tpu/README.md, from
 import os
 import pathlib
 
-from rag_jax import settings
+from rag_jax.run import settings
 
 
 def get_config():
-    config = settings.defaults()  # what is not set here: rag_jax/settings.py
+    config = settings.defaults()  # what is not set here: rag_jax/run/settings.py
 
     config.data.source = "tfds"
     config.data.tfds_name = "natural_questions_open"
     config.data.train_split = "train"
     config.data.eval_split = "validation"  # NQ-open test: the original NQ dev split
-    # Where `tfds build ... --file_format=array_record` wrote the data (see rag_jax/data.py).
+    # Where `tfds build ... --file_format=array_record` wrote the data (see rag_jax/run/data.py).
     config.data.tfds_data_dir = os.environ.get(
         "TFDS_DATA_DIR", str(pathlib.Path.home() / "tensorflow_datasets")
     )

@@ -26,7 +26,8 @@ import pathlib
 
 import ml_collections
 
-from rag_jax import hf_llama, validation
+from rag_jax.io import hf_llama
+from rag_jax.run import validation
 
 # squad_open.py holds the data and retriever setup; loaded by path so that
 # `--config experiments/configs/squad_llama.py` works from any directory.

@@ -36,7 +36,7 @@ import pathlib
 
 import ml_collections
 
-from rag_jax import settings
+from rag_jax.run import settings
 
 # ../shared/data beside the repository (the config works from any current directory).
 DATA_DIR = pathlib.Path(__file__).resolve().parents[2].parent / "shared" / "data"
@@ -59,7 +59,7 @@ def minilm_path() -> str:
 def get_config(variant: str = ""):
     if variant not in ("", "dev"):
         raise ValueError(f"squad_open.py variants: '' (train + dev) or 'dev', got {variant!r}")
-    config = settings.defaults()  # what is not set here: rag_jax/settings.py
+    config = settings.defaults()  # what is not set here: rag_jax/run/settings.py
 
     config.data.source = "files"
     config.data.fields = {"gold_ids": "gold_passage_id"}  # the files' key for our gold_ids

@@ -14,7 +14,7 @@ import pathlib
 import shutil
 import socket
 
-from rag_jax import hf
+from rag_jax.io import hf
 from rag_jax.retrieval import corpus, encode, index, scann_index
 from rag_jax.retrieval.encode import DEFAULT_MAX_LENGTH, encode_corpus
 from rag_jax.retrieval.store import PassageStore

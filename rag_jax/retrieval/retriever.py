@@ -33,7 +33,7 @@ import pathlib
 import jax
 import numpy as np
 
-from rag_jax import checkpoints, distributed, sharding
+from rag_jax.devices import distributed, sharding
 from rag_jax.retrieval import encode, files
 from rag_jax.retrieval.device_index import DeviceIndex
 from rag_jax.retrieval.index import ExactIndex
@@ -41,6 +41,7 @@ from rag_jax.retrieval.index_base import Index
 from rag_jax.retrieval.index_format import read_manifest
 from rag_jax.retrieval.scann_index import ScannIndex
 from rag_jax.retrieval.store import PassageStore, tokenizer_fingerprint
+from rag_jax.run import checkpoints
 
 
 @dataclasses.dataclass

@@ -61,7 +61,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.trustedhost import TrustedHostMiddleware
 from starlette.requests import ClientDisconnect
 
-from rag_jax import bundle, bundle_format
+from rag_jax.io import bundle, bundle_format
 from rag_jax.retrieval import files
 from rag_jax.retrieval.corpus import Passage, has_surrogate
 from rag_jax.serving import batching, metrics

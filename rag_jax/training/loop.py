@@ -28,22 +28,14 @@ import ml_collections
 import numpy as np
 import tqdm
 
-from rag_jax import (
-    bundle,
-    checkpoints,
-    device_memory,
-    distributed,
-    experiment,
-    metrics,
-    settings,
-    sharding,
-    validation,
-)
-from rag_jax.evaluation import evaluate, summary_metrics
+from rag_jax.devices import device_memory, distributed, sharding
+from rag_jax.io import bundle
 from rag_jax.models import flash
 from rag_jax.retrieval import files
 from rag_jax.retrieval.device_index import DeviceIndex
 from rag_jax.retrieval.retriever import Retriever
+from rag_jax.run import checkpoints, experiment, metrics, settings, validation
+from rag_jax.run.evaluation import evaluate, summary_metrics
 from rag_jax.training import refresh
 from rag_jax.training.batcher import Batcher
 from rag_jax.training.optim import make_optimizer
@@ -239,7 +231,8 @@ class _Logger:
 
 
 def _write_bundle(exp, state: TrainState, retriever, step: int, directory) -> None:
-    """The run's bundle (`rag_jax.bundle`): the final parameters and index, written by process 0."""
+    """The run's bundle (`rag_jax.io.bundle`): the final parameters and index, written by
+    process 0."""
     if not isinstance(retriever, Retriever):
         print(f"no bundle: a {type(retriever).__name__} run has no passages to bundle", flush=True)
         return

@@ -6,8 +6,9 @@ the retriever towers, and freezing. Freezing is a regex over parameter paths map
 `optax.set_to_zero`, never a zero learning rate, which AdamW's weight decay would still move
 (big_vision's `optax.py`). Parameter paths are '/'-joined (`question_encoder/layer_0/...`).
 
-The settings are those of `config.train` (`rag_jax.settings`); `settings_for(...)` gives them for a
-loop that is not the trainer's (a warm start, a benchmark) from the defaults plus overrides.
+The settings are those of `config.train` (`rag_jax.run.settings`); `settings_for(...)` gives
+them for a loop that is not the trainer's (a warm start, a benchmark) from the defaults plus
+overrides.
 
 `train.optimizer_impl="fused"` builds the same AdamW as one transformation (`fused_adamw`): the
 clipping, the moments, the bias correction, the weight decay and the learning rates of a
@@ -29,7 +30,7 @@ import jax.numpy as jnp
 import ml_collections
 import optax
 
-from rag_jax import settings
+from rag_jax.run import settings
 
 # The towers a retriever learning-rate factor applies to.
 RETRIEVER_PATHS = r"^(question_encoder|passage_encoder)/"
@@ -55,7 +56,7 @@ WARM_START = dict(
 
 
 def settings_for(**changes) -> ml_collections.ConfigDict:
-    """`config.train` at its defaults (`rag_jax.settings`), with `changes` applied."""
+    """`config.train` at its defaults (`rag_jax.run.settings`), with `changes` applied."""
     tc = settings.defaults().train
     for key, value in changes.items():
         tc[key] = value

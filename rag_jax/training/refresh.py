@@ -27,7 +27,7 @@ import pathlib
 import flax.serialization
 import jax
 
-from rag_jax import distributed, sharding
+from rag_jax.devices import distributed, sharding
 from rag_jax.retrieval import files
 
 KEEP = 4  # refresh snapshots kept on disk (older ones cannot be needed by a resume)

@@ -18,8 +18,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from rag_jax.data import Example
 from rag_jax.retrieval.corpus import Passage
+from rag_jax.run.data import Example
 
 _MONTH = (
     r"(?:January|February|March|April|May|June|July|August|September|October|November|December)"

@@ -13,7 +13,7 @@ import torch
 
 import hf_fixtures
 from benchmarks import causal
-from rag_jax import hf_llama
+from rag_jax.io import hf_llama
 
 
 @pytest.fixture(scope="module")

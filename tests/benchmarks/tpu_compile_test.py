@@ -22,7 +22,7 @@ import pytest
 
 from benchmarks import aot, hbm_fit, tpu_topology
 from benchmarks.flops import causal_train_flops
-from rag_jax import device_memory, sharding
+from rag_jax.devices import device_memory, sharding
 from rag_jax.training import loop
 from tiny_runs import tiny_config
 
@@ -120,6 +120,18 @@ def test_roofline_is_the_slower_of_compute_and_memory(rows, target):
     assert roof["step_s"] == max(roof["compute_s"], roof["memory_s"])
     flops = rows["replicated"]["flops"]
     assert roof["compute_s"] == pytest.approx(flops["executed"] / (197e12))
+
+
+def test_the_traffic_outside_the_model_is_one_adamw_pass(rows):
+    """The "optimizer and the rest" part, split by kind, adds up to it, and is mostly the AdamW
+    update, which moves each trainable parameter in one pass: at most the float32 parameter,
+    gradient and both moments read and the parameter and moments written, 28 bytes."""
+    row = rows["replicated"]
+    split, part = row["bytes"]["hbm_optimizer_and_the_rest"], row["bytes"]["hbm_by_part"]
+    assert sum(split.values()) == part["optimizer and the rest"]
+    assert max(split, key=split.get) == "optimizer update", split
+    trainable = row["collectives"]["trainable_f32_bytes"] / 4
+    assert 12 <= split["optimizer update"] / trainable <= 28, split
 
 
 def test_a_config_that_cannot_fit_says_which_part_and_what_would(target):

@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from rag_jax import data
 from rag_jax.retrieval.corpus import read_passages
+from rag_jax.run import data
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "experiments" / "squad_jsonl.py"

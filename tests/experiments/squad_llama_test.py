@@ -11,8 +11,10 @@ import transformers
 from configs_test import load_config
 
 import hf_fixtures
-from rag_jax import bundle, experiment, hf, hf_export, hf_llama, model_setup, rag, validation
+from rag_jax import rag
+from rag_jax.io import bundle, hf, hf_export, hf_llama
 from rag_jax.retrieval.retriever import ClosedBook
+from rag_jax.run import experiment, model_setup, validation
 from rag_jax.training import loop
 from squad_subset import squad_subset
 

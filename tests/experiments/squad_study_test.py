@@ -10,7 +10,9 @@ import jax
 import pytest
 
 import squad_study
-from rag_jax import hf_llama, rag_math, settings
+from rag_jax import rag_math
+from rag_jax.io import hf_llama
+from rag_jax.run import settings
 from rag_jax.training import loop
 from squad_subset import squad_subset
 

@@ -10,8 +10,10 @@ import sys
 
 import pytest
 
-from rag_jax import bundle, data, host, synthetic
+from rag_jax.devices import host
+from rag_jax.io import bundle
 from rag_jax.retrieval import files
+from rag_jax.run import data, synthetic
 from tiny_runs import tiny_config
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -25,7 +27,7 @@ def run(tiny_trained_run, tmp_path_factory):
 
     The scripts run on one CPU device, as a user's do (not the suite's 8 fake ones), sharing one
     fresh compilation cache so that later scripts load what the first compiled, with the host
-    settings exported as `rag_jax.host` says a user may (so no script restarts itself)."""
+    settings exported as `rag_jax.devices.host` says a user may (so no script restarts itself)."""
     workdir, summary = tiny_trained_run
     cache = tmp_path_factory.mktemp("script_compilation_cache")
     flags = os.environ.get("XLA_FLAGS", "").split()

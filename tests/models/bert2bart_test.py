@@ -8,7 +8,7 @@ import torch
 import transformers
 
 import hf_fixtures
-from rag_jax import hf
+from rag_jax.io import hf
 from rag_jax.models import bart, bert2bart
 
 IDS = dict(

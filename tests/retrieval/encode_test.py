@@ -19,7 +19,7 @@ import transformers
 from jax.sharding import Mesh
 
 import hf_fixtures
-from rag_jax import hf
+from rag_jax.io import hf
 from rag_jax.models import bert
 from rag_jax.retrieval import encode, vectors
 from rag_jax.retrieval.build import build_index
@@ -343,7 +343,7 @@ def test_resume_after_sigkill_is_byte_identical(tiny, tokenizer, tmp_path):
         import json, time
         from jax.sharding import Mesh
         import jax, numpy as np
-        from rag_jax import hf
+        from rag_jax.io import hf
         from rag_jax.retrieval import encode
 
         class SlowStore:

@@ -27,7 +27,8 @@ from tokenizers import ByteLevelBPETokenizer
 from transformers.models.rag import retrieval_rag
 
 import hf_fixtures
-from rag_jax import hf, rag
+from rag_jax import rag
+from rag_jax.io import hf
 from rag_jax.retrieval import index
 from rag_jax.retrieval.corpus import Passage
 from rag_jax.retrieval.store import PassageStore

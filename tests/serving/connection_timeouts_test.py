@@ -13,7 +13,7 @@ import httpx
 import pytest
 from hostile_server_test import InProcess
 
-from rag_jax import bundle
+from rag_jax.io import bundle
 from rag_jax.serving import app as serving
 from rag_jax.serving import connections
 

@@ -17,7 +17,7 @@ import httpx
 import pytest
 import uvicorn
 
-from rag_jax import bundle
+from rag_jax.io import bundle
 from rag_jax.serving import app as serving
 
 # The tests of the served bundle compile a server (~2-3 min on 2 cores with the tiny run):

@@ -13,7 +13,7 @@ import httpx
 import pytest
 from hostile_server_test import InProcess
 
-from rag_jax import bundle
+from rag_jax.io import bundle
 from rag_jax.serving import app as serving
 
 # The tiny run and six shapes compiled, twice over (~1-3 min on 2 cores): run with -m slow.

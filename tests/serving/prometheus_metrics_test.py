@@ -16,7 +16,7 @@ import pytest
 from hostile_server_test import Gate, InProcess
 from prometheus_client import parser
 
-from rag_jax import bundle
+from rag_jax.io import bundle
 from rag_jax.serving import app as serving
 from rag_jax.serving import metrics
 

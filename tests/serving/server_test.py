@@ -16,7 +16,8 @@ import time
 import httpx
 import pytest
 
-from rag_jax import bundle, synthetic
+from rag_jax.io import bundle
+from rag_jax.run import synthetic
 from rag_jax.training import loop
 from tiny_runs import tiny_config
 
@@ -268,7 +269,7 @@ def test_an_edit_changes_the_answer_of_a_question_answered_from_the_passage(serv
     from (right, and from its gold passage: the highest posterior), and its answer changes, to
     the new word for some (measured: 6-7 of 6-7 change, 1-3 to the new word: this tiny model
     also answers from what it memorised; the default job's bundle answers the new word for 156
-    of 169 edits, tests/bundle_test.py)."""
+    of 169 edits, tests/io/bundle_test.py)."""
     url, reference = servers["edits"].url, servers["reference"]
     _, world = run
     facts = world.facts

@@ -5,7 +5,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rag_jax import evaluation, experiment, rag, sharding, validation
+from rag_jax import rag
+from rag_jax.devices import sharding
+from rag_jax.run import evaluation, experiment, validation
 from rag_jax.training import loop
 from rag_jax.training.batcher import Batcher
 from rag_jax.training.inputs import context_width

@@ -7,10 +7,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rag_jax import synthetic
 from rag_jax.models import bert
 from rag_jax.retrieval import encode
 from rag_jax.retrieval.index import ExactIndex
+from rag_jax.run import synthetic
 from rag_jax.training import ict
 
 Q, P = 20, 36  # query and passage lengths; the 30-entity world's passages are <= 34 tokens

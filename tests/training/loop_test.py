@@ -13,7 +13,8 @@ import jax
 import numpy as np
 import pytest
 
-from rag_jax import checkpoints, device_memory, experiment
+from rag_jax.devices import device_memory
+from rag_jax.run import checkpoints, experiment
 from rag_jax.training import loop
 from tiny_runs import _flat, tiny_config
 
@@ -273,7 +274,7 @@ def test_tfds_data_path(tmp_path):
         natural_questions_open_dataset_builder as nq,
     )
 
-    from rag_jax import synthetic
+    from rag_jax.run import synthetic
 
     config = tiny_config(**{"train.steps": 3, "warm_start.method": "none"})
     world = synthetic.make_world(

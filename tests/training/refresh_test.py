@@ -11,17 +11,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rag_jax import (
-    bundle,
-    checkpoints,
-    distributed,
-    evaluation,
-    experiment,
-    rag,
-    synthetic,
-    validation,
-)
+from rag_jax import rag
+from rag_jax.devices import distributed
+from rag_jax.io import bundle
 from rag_jax.retrieval import encode, retriever
+from rag_jax.run import checkpoints, evaluation, experiment, synthetic, validation
 from rag_jax.training import loop
 from rag_jax.training.batcher import Batcher
 from tiny_runs import _flat, first_batch, tiny_config

@@ -65,7 +65,7 @@ def test_examples_mask_one_span_per_sentence_deterministically():
 
 
 def test_edit_answers_changes_one_span_of_the_same_kind_in_each_gold_passage():
-    from rag_jax.data import Example
+    from rag_jax.run.data import Example
 
     passages = [
         Passage("a", "A", "The bridge opened in 1932 and cost 12 million dollars."),

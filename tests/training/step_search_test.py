@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh
 
-from rag_jax import checkpoints, experiment
 from rag_jax.retrieval import retriever
 from rag_jax.retrieval.device_index import DeviceIndex
 from rag_jax.retrieval.index import ExactIndex
+from rag_jax.run import checkpoints, experiment
 from rag_jax.training import loop
 from rag_jax.training.batcher import Batcher
 from tiny_runs import _flat, tiny_config

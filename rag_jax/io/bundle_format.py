@@ -1,0 +1,444 @@
+"""The bundle folder: its layout, how it is written, and how it is read back checked whole.
+
+`rag_jax.io.bundle` is the API (`save`, `load`, `Bundle`); this module is its file format:
+
+    <bundle>/
+      manifest.json            sealed (`retrieval.files`): format, version, the passage encoder's
+                               fingerprint, the corpus checksum, passage count and vector width,
+                               the index kind, the training step, and the byte size and sha256
+                               of every file below
+      config.json              RagConfig, the passage tower's BertConfig and how it reads
+                               passages, the answering defaults (`Settings`)
+      params/question_encoder.safetensors  params/generator.safetensors
+      params/passage_encoder.safetensors   the three towers, dtypes kept, names "a/b/c"
+      tokenizers/question/  tokenizers/generator/     `save_pretrained` folders
+      passages/                the passage store (`retrieval.store`)
+      index/                   an exact index folder: the final passage encoder's vectors
+      scann/                   a ScaNN searcher over them (only when the run searched with ScaNN)
+
+A folder is written whole beside its destination and swapped in (`files.swap_dir`), so a crash
+leaves the previous bundle; a crash between the swap's two renames leaves it aside, in
+`.<name>.old.*/<name>`, and `read` puts it back (`restore`). `read` refuses a missing, truncated
+or corrupted file (naming it), parameters holding NaN or inf, a manifest edited after it was
+sealed, and a manifest whose encoder fingerprint or corpus checksum disagrees with the
+parameters, the store or the index. An edit links the model's files into its new folder only
+after checking them against the manifest (`link_model`): a damaged bundle is never sealed again.
+
+Legend: C corpus size, D vector width.
+"""
+
+import dataclasses
+import json
+import os
+import pathlib
+import shutil
+import time
+
+import flax
+import jax
+import numpy as np
+import transformers
+from safetensors.numpy import load_file, save_file
+
+from rag_jax import rag
+from rag_jax.io import hf
+from rag_jax.models import bart, bert, llama
+from rag_jax.retrieval import files
+from rag_jax.retrieval.index import ExactIndex
+from rag_jax.retrieval.retriever import PassageEncoder, Retriever
+from rag_jax.retrieval.scann_index import ScannIndex
+from rag_jax.retrieval.store import PassageStore, tokenizer_fingerprint
+
+FORMAT = "rag_jax.bundle"
+VERSION = 1
+TOWERS = ("question_encoder", "generator", "passage_encoder")
+PARAMS = {tower: f"params/{tower}.safetensors" for tower in TOWERS}
+TOKENIZERS = {"question": "tokenizers/question", "generator": "tokenizers/generator"}
+# Parts every bundle holds (the tokenizer folders are checked by loading them).
+_REQUIRED = ("config.json", *PARAMS.values(), "passages/manifest.json", "index/manifest.json")
+# The model's parts: never changed by an edit, which links them into its new folder.
+MODEL_PARTS = ("config.json", "params", "tokenizers")
+
+
+class DamagedBundleError(RuntimeError):
+    """A bundle's own file is missing or differs from its manifest: the folder was damaged
+    after it was written (the request that found it is not at fault)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """How a bundle answers by default (from the run's config)."""
+
+    question_length: int  # Q: question-encoder tokens; longer questions are truncated
+    variant: str  # "sequence" | "token"
+    sequence_decoding: str  # "thorough" | "fast" (RAG-Sequence)
+    context_pad_multiple: int  # contexts are padded to a multiple of this (0: always S)
+    index: str  # "exact" | "scann": how the passage vectors are searched
+    keep_question: bool = False  # contexts too long lose the passage's end, not the question
+
+
+@dataclasses.dataclass(frozen=True)
+class Parts:
+    """What a bundle folder holds, read and checked (`read`)."""
+
+    rag_cfg: rag.RagConfig
+    encoder: PassageEncoder
+    params: dict  # {"question_encoder", "generator", "passage_encoder"}
+    question_tokenizer: object
+    generator_tokenizer: object
+    retriever: Retriever
+    settings: Settings
+    manifest: dict
+
+
+# ---------------------------------------------------------------------------------------------
+# Writing
+
+
+def new_manifest(encoder: PassageEncoder, retriever: Retriever, settings: Settings, step) -> dict:
+    """The manifest fields of a bundle of `retriever`'s passages (`files` are added when it is
+    written)."""
+    store = retriever.store
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "encoder_fingerprint": encoder.fingerprint,
+        "corpus_checksum": store.checksum,
+        "question_tokenizer_fingerprint": tokenizer_fingerprint(encoder.tokenizer),
+        "count": len(store),
+        "dim": int(retriever.vectors.shape[1]),
+        "index": settings.index,
+        "step": step,
+    }
+
+
+def write_model(
+    directory: pathlib.Path,
+    rag_cfg: rag.RagConfig,
+    encoder: PassageEncoder,
+    params: dict,
+    question_tokenizer,
+    generator_tokenizer,
+    settings: Settings,
+) -> None:
+    """config.json, the parameters (all three towers in `params`) and the tokenizers."""
+    enc = encoder
+    config = {
+        "rag": dataclasses.asdict(rag_cfg),
+        "passage_encoder": {
+            "config": dataclasses.asdict(enc.cfg),
+            "max_length": enc.max_length,
+            "input_format": enc.input_format,
+            "batch_size": enc.batch_size,
+        },
+        "settings": dataclasses.asdict(settings),
+    }
+    (directory / "config.json").write_text(json.dumps(config, indent=1, sort_keys=True) + "\n")
+    (directory / "params").mkdir()
+    for tower, tree in params.items():
+        flat = flax.traverse_util.flatten_dict(jax.device_get(tree), sep="/")
+        flat = {name: np.ascontiguousarray(value) for name, value in flat.items()}
+        save_file(flat, str(directory / PARAMS[tower]), metadata={"format": FORMAT})
+    for name, tokenizer in (("question", question_tokenizer), ("generator", generator_tokenizer)):
+        tokenizer.save_pretrained(str(directory / TOKENIZERS[name]))
+
+
+def link_tree(source: pathlib.Path, target: pathlib.Path) -> None:
+    """`source` (a file or a folder) at `target`, hard-linked: files of a bundle are never
+    modified in place, so the copies can share them (copied where links are not possible)."""
+    source = pathlib.Path(source)
+    rels = files.files_under(source) if source.is_dir() else [""]
+    for rel in rels:
+        src, dst = (source / rel, target / rel) if rel else (source, target)
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.link(src, dst)
+        except OSError:
+            shutil.copy2(src, dst)
+
+
+def link_model(source: pathlib.Path, target: pathlib.Path, manifest: dict) -> None:
+    """Hard-links the model's files (`MODEL_PARTS`) of the bundle folder `source` into `target`,
+    each first checked whole (size and sha256) against `manifest`, the one `source` was loaded
+    with: a missing, extra or changed file raises `DamagedBundleError` naming it."""
+    source, target = pathlib.Path(source), pathlib.Path(target)
+    path = source / files.MANIFEST
+    inside = lambda rel: rel.split("/")[0] in MODEL_PARTS  # noqa: E731
+    listed = {rel: record for rel, record in manifest["files"].items() if inside(rel)}
+    found = set()
+    for part in MODEL_PARTS:
+        if (source / part).is_dir():
+            found |= {f"{part}/{rel}" for rel in files.files_under(source / part)}
+        elif (source / part).exists():
+            found.add(part)
+    advice = "the edit was not written; restore the bundle from a good copy"
+    extra = sorted(found - set(listed))
+    if extra:
+        raise DamagedBundleError(f"{source / extra[0]} is not listed in {path}; {advice}")
+    for rel, record in sorted(listed.items()):
+        try:
+            files.check_file(source / rel, record, verify=True, what="bundle file", manifest=path)
+        except (OSError, ValueError) as e:
+            raise DamagedBundleError(f"{e}; {advice}") from None
+        (target / rel).parent.mkdir(parents=True, exist_ok=True)
+        link_tree(source / rel, target / rel)
+
+
+def _aside(directory: pathlib.Path, kind: str) -> list[pathlib.Path]:
+    """The folders `files.swap_dir` writes beside `directory`: kind "new" or "old"."""
+    return sorted(directory.parent.glob(f".{directory.name}.{kind}.*"))
+
+
+def restore(directory) -> bool:
+    """Puts back the bundle a crash between `files.swap_dir`'s two renames left aside (in
+    `.<name>.old.*/<name>`) when `directory` is missing; whether it did.
+
+    The newest such folder holds it: an older one is an earlier bundle that a crash after its
+    swap left, whole or half removed (putting it back would lose the edits since, or fail)."""
+    directory = pathlib.Path(directory).absolute()
+    if directory.exists():
+        return False
+    for old in sorted(_aside(directory, "old"), key=_set_aside_at, reverse=True):
+        if (old / directory.name / files.MANIFEST).is_file():
+            os.rename(old / directory.name, directory)
+            files.fsync_dir(directory.parent)
+            return True
+    return False
+
+
+def _set_aside_at(folder: pathlib.Path) -> int:
+    """When a bundle was renamed into `folder` (its mtime, ns; -1: removed meanwhile)."""
+    try:
+        return folder.stat().st_mtime_ns
+    except FileNotFoundError:
+        return -1
+
+
+def remove_stale(directory, min_age_s: float = 60.0) -> list[pathlib.Path]:
+    """Restores an interrupted swap's bundle (`restore`), then removes the folders interrupted
+    writes left beside `directory` (`.<name>.new.*`, `.<name>.old.*`, older than `min_age_s`: a
+    write in progress elsewhere is left alone); the folders removed."""
+    directory = pathlib.Path(directory).absolute()
+    restore(directory)
+    removed = []
+    for folder in _aside(directory, "new") + _aside(directory, "old"):
+        if time.time() - folder.stat().st_mtime >= min_age_s:
+            shutil.rmtree(folder, ignore_errors=True)
+            removed.append(folder)
+    return removed
+
+
+def write_index(
+    directory, fingerprint: str, checksum: str, vectors, settings: Settings, scann=None
+):
+    """index/ (the exact index of `vectors`, encoded by the encoder of `fingerprint` from the
+    corpus of `checksum`) and, with `settings.index == "scann"`, scann/ (the searcher `scann`, or
+    one built from the vectors)."""
+    provenance = {"encoder_fingerprint": fingerprint, "corpus_checksum": checksum}
+    ExactIndex(vectors, **provenance).save(str(directory / "index"))
+    if settings.index == "scann":
+        (scann or ScannIndex.build(vectors, **provenance)).save(str(directory / "scann"))
+
+
+def share_modes(directory: pathlib.Path) -> None:
+    """Gives every folder and file below `directory` the mode the umask gives new ones: the
+    temporary folders a bundle is written in, and safetensors' files, are private to their
+    owner, and a bundle is read by others (a server's user)."""
+    probe = directory / ".mode-probe"
+    probe.mkdir()
+    folder_mode = probe.stat().st_mode & 0o777
+    probe.rmdir()
+    probe.touch()
+    file_mode = probe.stat().st_mode & 0o777
+    probe.unlink()
+    os.chmod(directory, folder_mode)
+    for root, folders, names in os.walk(directory):
+        for name in folders:
+            os.chmod(os.path.join(root, name), folder_mode)
+        for name in names:
+            os.chmod(os.path.join(root, name), file_mode)
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading
+
+
+def read(directory, *, verify: bool = True) -> Parts:
+    """Reads the bundle in `directory`, checking it whole (see the module docstring).
+
+    Args:
+      directory: written by `save` (or `Bundle.save`).
+      verify: check every file's sha256 (sizes are always checked).
+
+    Raises:
+      FileNotFoundError / ValueError naming the file that is missing, damaged or inconsistent.
+    """
+    directory = pathlib.Path(directory)
+    restore(directory)
+    manifest = files.read_manifest(
+        directory,
+        {FORMAT: (VERSION,)},
+        what="bundle",
+        required=("encoder_fingerprint", "corpus_checksum", "count", "dim", "index", "files"),
+    )
+    path = directory / files.MANIFEST
+    for rel in _REQUIRED:
+        if rel not in manifest["files"]:
+            raise ValueError(f"{path}: lists no {rel}; the bundle is incomplete")
+    for rel, record in manifest["files"].items():
+        files.check_file(directory / rel, record, verify=verify, what="bundle file", manifest=path)
+    try:
+        config = json.loads((directory / "config.json").read_text(encoding="utf-8"))
+        rag_cfg = _rag_config(config["rag"])
+        passage = config["passage_encoder"]
+        passage_cfg = bert.BertConfig(**passage["config"])
+        settings = Settings(**config["settings"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(
+            f"{directory / 'config.json'}: malformed ({type(e).__name__}: {e})"
+        ) from None
+    shapes = {
+        "question_encoder": _bert_shapes(rag_cfg.question_encoder),
+        "generator": llama.param_shapes(rag_cfg.generator)
+        if rag_cfg.causal
+        else bart.param_shapes(rag_cfg.generator),
+        "passage_encoder": _bert_shapes(passage_cfg),
+    }
+    params = {tower: _read_params(directory, tower, shapes[tower]) for tower in TOWERS}
+    question_tokenizer = _load_tokenizer(directory / TOKENIZERS["question"])
+    generator_tokenizer = _load_tokenizer(directory / TOKENIZERS["generator"])
+    encoder = PassageEncoder(
+        passage_cfg,
+        params["passage_encoder"],
+        question_tokenizer,
+        max_length=passage["max_length"],
+        input_format=passage["input_format"],
+        batch_size=passage["batch_size"],
+    )
+    fingerprint = encoder.fingerprint
+    if fingerprint != manifest["encoder_fingerprint"]:
+        raise ValueError(
+            f"{path}: encoder_fingerprint {manifest['encoder_fingerprint']} disagrees with the "
+            f"parameters in {directory / PARAMS['passage_encoder']} (fingerprint {fingerprint})"
+        )
+    found = tokenizer_fingerprint(question_tokenizer)
+    if found != manifest.get("question_tokenizer_fingerprint", found):
+        raise ValueError(
+            f"{path}: question_tokenizer_fingerprint disagrees with the tokenizer in "
+            f"{directory / TOKENIZERS['question']}"
+        )
+    # Every file's size (and with `verify`, sha256) is checked above: the parts need not be again.
+    retriever = open_retriever(directory, manifest, settings, rag_cfg)
+    store = retriever.store
+    if tokenizer_fingerprint(generator_tokenizer) != store.manifest["tokenizer"]["fingerprint"]:
+        raise ValueError(
+            f"the generator tokenizer in {directory / TOKENIZERS['generator']} is not the one "
+            f"the passage store {store.directory} was built with"
+        )
+    return Parts(
+        rag_cfg,
+        encoder,
+        params,
+        question_tokenizer,
+        generator_tokenizer,
+        retriever,
+        settings,
+        manifest,
+    )
+
+
+def open_retriever(directory, manifest, settings: Settings, rag_cfg, vectors=None, verify=False):
+    """The retriever of a bundle folder's passages/ and index/ (or scann/), checked against the
+    manifest; `vectors` [C, D] when already in memory (an edit just wrote them)."""
+    directory = pathlib.Path(directory)
+    store = PassageStore.open(directory / "passages", verify=verify)
+    if store.checksum != manifest["corpus_checksum"]:
+        raise ValueError(
+            f"{directory / files.MANIFEST}: corpus_checksum {manifest['corpus_checksum']} "
+            f"disagrees with the passage store {store.directory} (checksum {store.checksum})"
+        )
+    expect = {k: manifest[k] for k in ("encoder_fingerprint", "corpus_checksum", "count", "dim")}
+    if vectors is None:
+        exact = ExactIndex.load(str(directory / "index"), expect, verify=verify)
+    else:
+        provenance = {k: manifest[k] for k in ("encoder_fingerprint", "corpus_checksum")}
+        exact = ExactIndex(vectors, **provenance)
+    index = exact
+    if settings.index == "scann":
+        index = ScannIndex.load(str(directory / "scann"), expect, verify=verify)
+    return Retriever(
+        index,
+        store,
+        exact.vectors,
+        n_docs=rag_cfg.n_docs,
+        max_combined_length=rag_cfg.max_combined_length,
+        keep_question=settings.keep_question,
+    )
+
+
+def _rag_config(values: dict) -> rag.RagConfig:
+    """A RagConfig from its `dataclasses.asdict` form (as config.json holds it)."""
+    values = dict(values)
+    generation = dict(values.pop("generation"))
+    generation["bad_words_ids"] = tuple(tuple(w) for w in generation.get("bad_words_ids", ()))
+    generator = dict(values.pop("generator"))
+    if "num_hidden_layers" in generator:  # a causal generator's LlamaConfig
+        scaling = generator.get("rope_scaling")
+        generator["rope_scaling"] = None if scaling is None else tuple(map(tuple, scaling))
+        generator = llama.LlamaConfig(**generator)
+    else:
+        generator = bart.BartConfig(**generator)
+    return rag.RagConfig(
+        question_encoder=bert.BertConfig(**values.pop("question_encoder")),
+        generator=generator,
+        generation=rag.GenerationConfig(**generation),
+        **values,
+    )
+
+
+def _bert_shapes(cfg: bert.BertConfig):
+    ids = np.zeros((1, 2), np.int32)
+    model = bert.BertEncoder(cfg)
+    return jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), ids, ids)["params"])
+
+
+def _read_params(directory: pathlib.Path, tower: str, shapes) -> dict:
+    """A tower's parameters from its safetensors file, checked against the config's shapes."""
+    path = directory / PARAMS[tower]
+    try:
+        flat = load_file(str(path))
+    except Exception as e:  # safetensors' errors name neither the file nor the cause
+        raise ValueError(f"{path}: unreadable ({type(e).__name__}: {e})") from None
+    want = flax.traverse_util.flatten_dict(shapes, sep="/")
+    if set(flat) != set(want):
+        missing, extra = sorted(set(want) - set(flat)), sorted(set(flat) - set(want))
+        raise ValueError(
+            f"{path}: does not match config.json's {tower} (missing {missing[:5]}, unexpected "
+            f"{extra[:5]})"
+        )
+    for name, spec in want.items():
+        if flat[name].shape != spec.shape or flat[name].dtype != spec.dtype:
+            raise ValueError(
+                f"{path}: {name} is {flat[name].dtype}{list(flat[name].shape)}; config.json's "
+                f"{tower} needs {spec.dtype}{list(spec.shape)}"
+            )
+        finite = np.isfinite(flat[name].astype(np.float32, copy=False))
+        if not finite.all():  # a model that loads and then answers nothing but errors
+            raise ValueError(
+                f"{path}: {name} holds {finite.size - int(finite.sum())} NaN or inf values (of "
+                f"{finite.size}); the parameters are damaged"
+            )
+    return flax.traverse_util.unflatten_dict(flat, sep="/")
+
+
+def _load_tokenizer(directory: pathlib.Path):
+    """A tokenizer saved by `save_pretrained`, by the class its config names: `AutoTokenizer`
+    imports PyTorch when it is installed (seconds of a bundle's start-up), the class does not."""
+    try:
+        config = json.loads((directory / "tokenizer_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{directory}: no readable tokenizer_config.json ({e})") from None
+    cls = getattr(transformers, str(config.get("tokenizer_class")), None)
+    if cls is None:
+        return hf.load_tokenizer(directory)
+    return cls.from_pretrained(str(directory))

@@ -1,0 +1,292 @@
+"""Start-up checks of a run's config: every error names the setting, its value and what would be
+right, before anything is built.
+
+`validate(config, num_devices)` checks the settings `rag_jax.run.settings.SCHEMA` declares: no
+undeclared key, positive sizes, divisibility by the devices, choices, frozen parameters that the
+optimizer would still move, paths that exist. `check_frozen_encoder` and `check_frozen_layers` are
+also asked by the run builder once the generator's real config is known.
+"""
+
+import pathlib
+import re
+
+import ml_collections
+
+from rag_jax.devices import sharding
+from rag_jax.io import hf_format
+from rag_jax.models import bart
+from rag_jax.run.settings import SCHEMA, unknown_key_message
+
+
+def _frozen_stub(layers: int) -> bart.BartConfig:
+    """A tiny BART with the parameter names of a generator whose first `layers` encoder layers
+    are fixed (the names below the cut do not depend on the widths), for start-up checks made
+    before the generator is built."""
+    return bart.BartConfig(
+        vocab_size=2,
+        d_model=2,
+        encoder_layers=layers,
+        decoder_layers=1,
+        encoder_attention_heads=1,
+        decoder_attention_heads=1,
+        encoder_ffn_dim=2,
+        decoder_ffn_dim=2,
+        max_position_embeddings=2,
+        frozen_encoder_layers=layers,
+    )
+
+
+def check_frozen_encoder(freeze: str, generator: bart.BartConfig, setting: int) -> None:
+    """Raises unless `freeze` (`train.freeze`) freezes every generator parameter below the
+    encoder's cut (`generator.frozen_encoder_layers`, from `generator_frozen_encoder_layers=
+    setting`): the encoder's own input embedding, positions, embedding LayerNorm and layers, as
+    `bart.frozen_encoder_paths` reads them from the parameter shapes. The stop-gradient keeps
+    their gradient at zero, but the optimizer (weight decay, Adam's state) would still move
+    them."""
+    needed = [f"generator/{p}" for p in bart.frozen_encoder_paths(generator)]
+    trained = [p for p in needed if not (freeze and re.search(freeze, p))]
+    if trained:
+        layers = generator.frozen_encoder_layers
+        shown = ", ".join(trained[:4]) + (
+            f" and {len(trained) - 4} more" if len(trained) > 4 else ""
+        )
+        raise ValueError(
+            f"config.model.generator_frozen_encoder_layers={setting} stops the gradient at the "
+            f"generator's encoder, but config.train.freeze={freeze!r} leaves {shown} trainable "
+            f"(weight decay would still move them); freeze generator/encoder/ (embed_tokens, "
+            f"positions, ln_embedding and layer_0 to layer_{layers - 1})"
+        )
+
+
+def check_frozen_layers(freeze: str, frozen: int, trained: int) -> None:
+    """Raises unless `freeze` (`train.freeze`) freezes a causal generator's embedding and its
+    first `frozen` layers, which `generator_trained_layers=trained` leaves fixed."""
+    needed = ["generator/embed_tokens/embedding"]
+    needed += [f"generator/layers_{i}/mlp_up_proj/kernel" for i in range(frozen)]
+    if not (freeze and all(re.search(freeze, p) for p in needed)):
+        layers = "|".join(str(i) for i in range(frozen))
+        raise ValueError(
+            f"config.model.generator_trained_layers={trained} fixes the generator's layers 0 to "
+            f"{frozen - 1}, but config.train.freeze={freeze!r} leaves some of them or the "
+            f"embedding trainable (weight decay would still move them); e.g. "
+            f"'^(passage_encoder/|generator/(embed_tokens|layers_({layers}))/)'"
+        )
+
+
+def _check_keys(config: ml_collections.ConfigDict) -> None:
+    """Refuses a setting `SCHEMA` does not declare, naming it and the nearest declared ones."""
+    for section, fields in SCHEMA.items():
+        node = config if not section else config.get(section)
+        if node is None:
+            raise ValueError(
+                f"config has no section config.{section}; start from "
+                "rag_jax.run.settings.defaults()"
+            )
+        for key in node.keys():
+            if section == "" and key in SCHEMA:
+                continue  # a section
+            if key not in fields:
+                raise ValueError(unknown_key_message(f"{section}.{key}" if section else key))
+
+
+def _check_sizes(config: ml_collections.ConfigDict) -> None:
+    """Counts that must be positive, each with its own message (before any divisibility)."""
+    sizes = [
+        ("train.steps", config.train.steps),
+        ("train.batch_size", config.train.batch_size),
+        ("train.log_every", config.train.log_every),
+        ("train.save_every", config.train.save_every),
+        ("train.grad_accum", config.train.grad_accum),
+        ("rag.n_docs", config.rag.n_docs),
+        ("rag.max_combined_length", config.rag.max_combined_length),
+        ("data.question_length", config.data.question_length),
+        ("data.answer_length", config.data.answer_length),
+        ("retrieval.passage_max_length", config.retrieval.passage_max_length),
+        ("retrieval.encode_batch_size", config.retrieval.encode_batch_size),
+    ]
+    sizes += [("eval.batch_size", config.eval.batch_size)]
+    sizes += [("eval.num_beams", config.eval.num_beams)]
+    sizes += [("eval.max_length", config.eval.max_length)]
+    if config.warm_start.method == "ict":
+        sizes += [("warm_start.steps", config.warm_start.steps)]
+        sizes += [("warm_start.batch_size", config.warm_start.batch_size)]
+    for key, value in sizes:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"config.{key} must be a positive integer, got {value!r}")
+    counts = [
+        ("train.num_devices", config.train.num_devices),
+        ("train.warmup_steps", config.train.warmup_steps),
+        ("train.retriever_delay_steps", config.train.retriever_delay_steps),
+        ("rag.context_pad_multiple", config.rag.context_pad_multiple),
+        ("data.answer_pad_multiple", config.data.answer_pad_multiple),
+        ("data.max_train", config.data.max_train),
+        ("data.max_eval", config.data.max_eval),
+        ("eval.max_examples", config.eval.max_examples),
+        ("eval.answer_examples", config.eval.answer_examples),
+        ("eval.answer_seed", config.eval.answer_seed),
+        ("eval.every", config.eval.every),
+        ("eval.every_max_examples", config.eval.every_max_examples),
+        ("model.generator_encoder_layers", config.model.generator_encoder_layers),
+        ("model.generator_decoder_layers", config.model.generator_decoder_layers),
+        ("warm_start.reader_batch_size", config.warm_start.reader_batch_size),
+        ("warm_start.reader_context_length", config.warm_start.reader_context_length),
+        ("warm_start.reader_trained_layers", config.warm_start.reader_trained_layers),
+        ("retrieval.refresh_every", config.retrieval.refresh_every),
+        ("retrieval.refresh_lag", config.retrieval.refresh_lag),
+        ("warm_start.reader_steps", config.warm_start.reader_steps),
+        ("eval.n_docs", config.eval.n_docs),
+        ("retrieval.index_rows", config.retrieval.index_rows),
+    ]
+    for key, value in counts:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"config.{key} must be >= 0 (an integer), got {value!r}")
+    if config.retrieval.index_rows >= 2**31:  # passage ids are int32 in the step
+        raise ValueError(
+            f"config.retrieval.index_rows={config.retrieval.index_rows} but passage ids are "
+            f"int32: use at most {2**31 - 1}, or split the corpus"
+        )
+
+
+def _check_choices(config: ml_collections.ConfigDict) -> None:
+    choices = [
+        ("data.source", config.data.source, ("synthetic", "files", "tfds")),
+        ("data.target", config.data.target, ("first", "sample")),
+        ("model.init", config.model.init, ("random", "pretrained", "hf_rag")),
+        ("model.dtype", config.model.dtype, ("float32", "bfloat16")),
+        ("warm_start.method", config.warm_start.method, ("ict", "none")),
+        ("warm_start.reader_data", config.warm_start.reader_data, ("synthetic", "files")),
+        ("warm_start.reader_task", config.warm_start.reader_task, ("qa", "ssm", "qa+ssm")),
+        ("model.generator_init", config.model.generator_init, ("random", "bert")),
+        ("rag.prompt", config.rag.prompt, ("plain", "chat")),
+        (
+            "model.generator_decoder_init",
+            config.model.generator_decoder_init,
+            ("bert", "bert_cross", "random"),
+        ),
+        ("model.pooling", config.model.pooling, ("cls", "mean")),
+        ("rag.variant", config.rag.variant, ("sequence", "token")),
+        ("retrieval.index", config.retrieval.index, ("exact", "scann", "device")),
+        ("retrieval.passage_format", config.retrieval.passage_format, ("pair", "single")),
+        ("train.optimizer", config.train.optimizer, ("adamw", "sgd")),
+        ("train.optimizer_impl", config.train.optimizer_impl, ("optax", "fused")),
+        ("model.attention_impl", config.model.attention_impl, ("xla", "flash")),
+        ("train.decay", config.train.decay, ("linear", "polynomial", "constant")),
+        ("eval.sequence_decoding", config.eval.sequence_decoding, ("thorough", "fast")),
+        ("train.param_sharding", config.train.param_sharding, ("replicated", "fsdp")),
+        ("retrieval.index_dtype", config.retrieval.index_dtype, ("", "float32", "bfloat16")),
+    ]
+    for key, value, allowed in choices:
+        if value not in allowed:
+            raise ValueError(f"config.{key} must be one of {' | '.join(allowed)}, got {value!r}")
+
+
+def _check_paths(config: ml_collections.ConfigDict) -> None:
+    """Every file or checkpoint the config names exists, before anything is built."""
+    d, m = config.data, config.model
+    paths = []
+    if d.source == "files":
+        paths = [("data.train_path", d.train_path, True), ("data.eval_path", d.eval_path, False)]
+        if not config.retrieval.index_dir:
+            files = [f.strip() for f in d.corpus_path.split(",") if f.strip()] or [""]
+            paths += [("data.corpus_path", f, True) for f in files]
+    if config.warm_start.reader_steps and config.warm_start.reader_data == "files":
+        w = config.warm_start
+        paths += [("warm_start.reader_questions_path", w.reader_questions_path, True)]
+        files = [f.strip() for f in w.reader_corpus_path.split(",") if f.strip()] or [""]
+        paths += [("warm_start.reader_corpus_path", f, True) for f in files]
+    for key, path, required in paths:
+        if required and not path:
+            raise ValueError(f"config.{key} is not set; the config reads it (data.source='files')")
+        if path and not pathlib.Path(path).is_file():
+            raise FileNotFoundError(f"config.{key}={path!r}: no such file; point it at the file")
+    index_dir = config.retrieval.index_dir
+    if index_dir and not pathlib.Path(index_dir).is_dir():
+        raise FileNotFoundError(
+            f"config.retrieval.index_dir={index_dir!r}: no such directory; build one with "
+            "experiments/build_index.py or unset it"
+        )
+    checkpoints_needed = {"pretrained": ["question_encoder_path"], "hf_rag": ["rag_path"]}
+    for key in (
+        "question_encoder_path",
+        "passage_encoder_path",
+        "generator_path",
+        "generator_bert_path",
+        "rag_path",
+    ):
+        path = m[key]
+        if not path:
+            if key in checkpoints_needed.get(m.init, []):
+                raise ValueError(f"config.model.{key} is not set; model.init={m.init!r} needs it")
+            continue
+        if pathlib.Path(path).is_dir():
+            continue
+        if key == "generator_path" and path.endswith(".gguf"):  # a causal LM in one file
+            if not pathlib.Path(path).is_file():
+                raise FileNotFoundError(f"config.model.generator_path={path!r}: no such file")
+            continue
+        try:
+            hf_format.resolve(path)  # a hub id in the local cache (or reachable hub) is fine
+        except Exception as e:
+            raise FileNotFoundError(
+                f"config.model.{key}={path!r} is not a checkpoint directory ({e}); set it to a "
+                "directory holding config.json and the weights, or to a hub id"
+            ) from None
+
+
+def validate(config: ml_collections.ConfigDict, num_devices: int, *, paths: bool = True) -> None:
+    """Start-up checks of invariants, each error naming the value and what would be right.
+
+    `paths=False` skips the checks of files and checkpoints (planning a run on a machine that
+    has none of them, `experiments/tpu_compile.py`)."""
+    _check_keys(config)
+    _check_sizes(config)
+    _check_choices(config)
+    tc = config.train
+    batches = {"train": ("global batch", tc.batch_size)}
+    if config.eval.enabled:
+        batches["eval"] = ("eval batch", config.eval.batch_size)
+    for section, (what, size) in batches.items():
+        try:
+            sharding.check_batch_divisible(size, num_devices, what)
+        except ValueError as e:
+            raise ValueError(f"config.{section}.batch_size: {e}") from None
+    seed = config.data.sample_seed
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < -1:
+        raise ValueError(f"config.data.sample_seed must be -1 (the first N) or >= 0, got {seed!r}")
+    seed = config.init_seed
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < -1:
+        raise ValueError(f"config.init_seed must be -1 (= seed) or a seed >= 0, got {seed!r}")
+    scale = config.rag.doc_score_scale
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0:
+        raise ValueError(f"config.rag.doc_score_scale must be a positive number, got {scale!r}")
+    rate = config.warm_start.reader_learning_rate
+    if isinstance(rate, bool) or not isinstance(rate, (int, float)) or rate < 0:
+        raise ValueError(f"config.warm_start.reader_learning_rate must be >= 0, got {rate!r}")
+    frozen = config.model.generator_frozen_encoder_layers
+    if isinstance(frozen, bool) or not isinstance(frozen, int) or frozen < -1:
+        raise ValueError(
+            f"config.model.generator_frozen_encoder_layers must be -1 (all), 0 (none) or a "
+            f"count of layers, got {frozen!r}"
+        )
+    if frozen:  # the last frozen layer is checked once the generator is built (experiment)
+        check_frozen_encoder(tc.freeze, _frozen_stub(max(frozen, 1)), frozen)
+    refresh_every = config.retrieval.refresh_every
+    passage_frozen = bool(tc.freeze) and re.search(tc.freeze, "passage_encoder/") is not None
+    if refresh_every and passage_frozen:
+        raise ValueError(
+            f"config.retrieval.refresh_every={refresh_every} is for a trainable passage encoder, "
+            f"but config.train.freeze={tc.freeze!r} freezes passage_encoder/; remove it there"
+        )
+    if not refresh_every and not passage_frozen:
+        raise ValueError(
+            f"config.train.freeze={tc.freeze!r} leaves the passage encoder trainable, but "
+            "config.retrieval.refresh_every=0 never re-encodes the corpus, so the index would "
+            "go stale; freeze passage_encoder/ or set refresh_every"
+        )
+    if config.rag.closed_book and config.eval.n_docs > 1:
+        raise ValueError(
+            f"config.eval.n_docs={config.eval.n_docs} but config.rag.closed_book retrieves "
+            "nothing (one empty passage); use 0"
+        )
+    if paths:
+        _check_paths(config)
