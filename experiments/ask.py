@@ -9,7 +9,7 @@ r"""Answers questions with the passages they came from, from a bundle or a train
 N retrieved passages with p(z|x) (prior) and p(z|x,y) (posterior: which one the answer came from),
 the answer and its log-likelihood, and with RAG-Token the passage each answer token came from;
 `--json` prints each answer as one JSON line instead. Compiled programs are kept in JAX's
-persistent cache (`bundle.enable_compilation_cache`), so later starts skip compiling.
+persistent cache (`answers.enable_compilation_cache`), so later starts skip compiling.
 """
 
 import json
@@ -18,6 +18,7 @@ from absl import app, flags, logging
 
 from rag_jax.devices import distributed, host
 from rag_jax.io import bundle
+from rag_jax.io.answers import enable_compilation_cache
 
 _BUNDLE = flags.DEFINE_string("bundle", None, "a bundle folder (<workdir>/bundle)")
 _WORKDIR = flags.DEFINE_string("workdir", None, "a training workdir (checkpoints + config)")
@@ -33,7 +34,7 @@ flags.mark_flags_as_mutual_exclusive(["bundle", "workdir"], required=True)
 def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)
-    bundle.enable_compilation_cache()
+    enable_compilation_cache()
     if _BUNDLE.value:
         model = bundle.load(_BUNDLE.value, fast_compile=True)  # a few answers, once
     else:

@@ -18,7 +18,7 @@ import pathlib
 from absl import app, flags, logging
 
 from rag_jax.devices import host
-from rag_jax.io import bundle
+from rag_jax.io import answers, bundle
 from rag_jax.run import data, evaluation
 from rag_jax.training import loop
 
@@ -54,7 +54,7 @@ def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)
     if _BUNDLE.value:
-        bundle.enable_compilation_cache()
+        answers.enable_compilation_cache()
         if not _QUESTIONS.value:
             raise app.UsageError("--bundle needs --questions: a bundle holds no QA data")
         model = bundle.load(_BUNDLE.value)

@@ -1,2 +1,3 @@
 """Serving a bundle over HTTP: dynamic batching (`batching`), counters (`metrics`), deadlines on
-slow clients (`connections`) and the JSON API with its page (`app`)."""
+slow clients (`connections`), the API's contract and request checks (`api`), what the routes
+share (`state`), and the routes with their page (`app`)."""

@@ -13,7 +13,7 @@ import httpx
 import pytest
 from hostile_server_test import InProcess
 
-from rag_jax.io import bundle
+from rag_jax.io import answers, bundle
 from rag_jax.serving import app as serving
 
 # The tiny run and six shapes compiled, twice over (~1-3 min on 2 cores): run with -m slow.
@@ -61,7 +61,7 @@ def _traffic(url, questions) -> list[tuple[list[str], list[dict]]]:
     return out
 
 
-def _same(got: dict, want: bundle.Answer) -> None:
+def _same(got: dict, want: answers.Answer) -> None:
     """An HTTP answer equals `Bundle.answer`'s: text, passages and tokens exactly, numbers to
     1e-4 (a batch padded to another bucket or width rounds differently)."""
     w = want.to_dict()

@@ -16,7 +16,7 @@ import time
 import httpx
 import pytest
 
-from rag_jax.io import bundle
+from rag_jax.io import answers, bundle
 from rag_jax.run import synthetic
 from rag_jax.training import loop
 from tiny_runs import tiny_config
@@ -138,7 +138,7 @@ def _ask(url, questions, **settings) -> list[dict]:
     return response.json()["answers"]
 
 
-def _same(got: dict, want: bundle.Answer) -> None:
+def _same(got: dict, want: answers.Answer) -> None:
     """An HTTP answer equals `Bundle.answer`'s: text, passages and tokens exactly, numbers to
     1e-4 (a merged batch pads differently)."""
     w = want.to_dict()

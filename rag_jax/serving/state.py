@@ -1,0 +1,268 @@
+"""What a server's routes share: the bundle, the batcher, the counters, and which programs of
+which settings are compiled (the warmed ones first, cold ones in the background).
+
+Legend: B questions in one call.
+"""
+
+import concurrent.futures
+import dataclasses
+import logging
+import math
+import threading
+import time
+
+from rag_jax.io import answers, bundle
+from rag_jax.serving import batching, metrics
+from rag_jax.serving.api import AnswerRequest, ApiError, ServerConfig, check_text
+
+log = logging.getLogger("rag_jax.serving")
+
+
+class ServerState:
+    """What the routes share: the bundle, the batcher, the counters, readiness.
+
+    A setting is served once its first (bucket, width) shape is compiled (`Bundle.compile_plan`:
+    the top bucket at the widest width, which any batch pads up to); its other shapes then
+    compile one by one on the compile thread while it is served, and answers run only at shapes
+    compiled (`compiled_only`), padding up to the cheapest: the serving path never compiles.
+    """
+
+    def __init__(self, model: bundle.Bundle, config: ServerConfig, *, on_demand: bool = False):
+        """Args:
+        model, config: the bundle served and how.
+        on_demand: answers compile the programs they need (nothing is compiled ahead: for a
+          server whose answers never reach the model).
+        """
+        self.model, self.config, self.on_demand = model, config, on_demand
+        self.metrics = metrics.Metrics(config.max_batch)
+        self.ready = threading.Event()
+        self.edit_lock = threading.Lock()  # read-modify-write of a passage, one at a time
+        self.rows: tuple = (None, {})  # (store, {id: row}) of the latest store looked up
+        self.default = batching.Setting(
+            model.settings.variant, model.rag_cfg.generation.num_beams, model.rag_cfg.n_docs
+        )
+        self.max_n_docs = config.max_n_docs or model.rag_cfg.n_docs
+        self.warmed = [  # the settings compiled before ready
+            batching.Setting(v, self.default.num_beams, self.default.n_docs)
+            for v in config.warm_variants or (self.default.variant,)
+        ]
+        # The batcher's two stages: the next batch is prepared (tokenised, encoded, retrieved)
+        # on one thread while the current one generates on another.
+        self.batcher = batching.Batcher(
+            self._prepare,
+            self._generate,
+            max_batch=config.max_batch,
+            max_wait_s=config.max_wait_ms / 1e3,
+            on_batch=self.metrics.batch,
+        )
+        # The trace count once every shape of the warmed settings is compiled (None before):
+        # their traffic traces nothing more.
+        self.compiled_traces = None
+        self.settings_lock = threading.Lock()
+        self.warm: set[batching.Setting] = set()  # served: their first shape is compiled
+        self.compiling: set[batching.Setting] = set()  # their first shape compiling: 503
+        self.failed: dict[batching.Setting, str] = {}  # settings whose compile failed: why
+        self.filling: set[batching.Setting] = set()  # served, other shapes still compiling
+        self.compile_s = 10.0  # how long the latest first shape took to compile (Retry-After)
+        self.compiler = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="compile")
+
+    def _prepare(self, questions, setting: batching.Setting):
+        return self.model.prepare(
+            questions,
+            variant=setting.variant,
+            num_beams=setting.num_beams,
+            n_docs=setting.n_docs,
+            compiled_only=not self.on_demand,
+        )
+
+    def _generate(self, prepared, setting: batching.Setting):
+        del setting  # each prepared question holds its own
+        return self.model.generate(prepared, compiled_only=not self.on_demand)
+
+    def _compile(self, setting: batching.Setting, shapes) -> None:
+        self.model.compile(
+            self.config.max_batch,
+            variant=setting.variant,
+            num_beams=setting.num_beams,
+            n_docs=setting.n_docs,
+            shapes=shapes,
+        )
+
+    def ready_shapes(self, setting: batching.Setting) -> tuple[tuple[int, int], ...]:
+        """The (batch bucket, context width) shapes of `setting` compiled: answers run at the
+        cheapest that holds them (`Bundle.ready_shapes`)."""
+        key = answers.AnswerSetting(
+            setting.variant,
+            setting.num_beams,
+            setting.n_docs,
+            self.model.settings.sequence_decoding,
+        )
+        return self.model.ready_shapes().get(key, ())
+
+    def _compile_first(self, setting: batching.Setting) -> None:
+        """Compiles `setting`'s first shape: it is served from then on."""
+        start = time.monotonic()
+        self._compile(setting, self.model.compile_plan(self.config.max_batch)[:1])
+        with self.settings_lock:
+            self.warm.add(setting)
+            self.filling.add(setting)
+            self.compile_s = time.monotonic() - start
+
+    def _compile_next(self, setting: batching.Setting) -> None:
+        """Compiles the next shape of `setting` not compiled yet, then queues the one after: one
+        shape per task, so a cold setting's first shape waits behind one shape at most."""
+        plan = self.model.compile_plan(self.config.max_batch)
+        missing = [s for s in plan if s not in self.ready_shapes(setting)]
+        try:
+            self._compile(setting, missing[:1])
+        except Exception:  # noqa: BLE001 - it is served with the shapes compiled
+            log.exception("compiling %s at (bucket, width) %s failed", setting, missing[:1])
+            missing = []
+        if len(missing) > 1 and self._submit(self._compile_next, setting):
+            return
+        with self.settings_lock:
+            self.filling.discard(setting)
+            done = self.compiled_traces is None and not self.filling & set(self.warmed)
+        if done:
+            self.compiled_traces = self.model.traces
+            log.warning("compiled every shape of %s: %d traces", self.warmed, self.model.traces)
+
+    def _submit(self, fn, *args) -> bool:
+        """Queues `fn(*args)` on the compile thread; False once the server is shutting down."""
+        try:
+            self.compiler.submit(fn, *args)
+        except RuntimeError:  # the executor is shut down
+            return False
+        return True
+
+    def warm_up(self) -> None:
+        """Compiles each warmed setting's first shape and reports ready; their other shapes then
+        compile in the background (the answers meanwhile pad up to the shapes compiled)."""
+        try:
+            for setting in self.warmed:
+                self._compile_first(setting)
+        except Exception:  # noqa: BLE001 - the server stays up, not ready, and says why
+            log.exception("compiling the answering programs failed")
+            return
+        self.ready.set()
+        log.warning("ready: %d traces compiled; the other shapes follow", self.model.traces)
+        for setting in self.warmed:
+            self._submit(self._compile_next, setting)
+
+    def _compile_cold(self, setting: batching.Setting) -> None:
+        try:
+            self._compile_first(setting)
+            log.warning("compiled %s; its other shapes follow", setting)
+        except Exception as e:  # noqa: BLE001 - its requests answer why
+            log.exception("compiling %s failed", setting)
+            with self.settings_lock:
+                self.failed[setting] = f"{type(e).__name__}: {e}"
+        else:
+            self._submit(self._compile_next, setting)
+        finally:
+            with self.settings_lock:
+                self.compiling.discard(setting)
+
+    def check_warm(self, setting: batching.Setting) -> None:
+        """Returns if `setting` is compiled; else starts compiling it in the background (at most
+        `max_cold_settings` beyond the warmed ones) and raises ApiError: 503 with Retry-After
+        while it compiles, 422 when no more settings are compiled, 500 if its compile failed."""
+        with self.settings_lock:
+            if setting in self.warm:
+                return
+            name = (
+                f"variant={setting.variant}, num_beams={setting.num_beams}, n_docs={setting.n_docs}"
+            )
+            if setting in self.failed:
+                raise ApiError(500, f"{name}: compiling it failed ({self.failed[setting]})")
+            if setting not in self.compiling:
+                cold = len(self.warm) + len(self.compiling) + len(self.failed) - len(self.warmed)
+                if cold >= self.config.max_cold_settings:
+                    served = sorted(dataclasses.astuple(s) for s in self.warm)
+                    raise ApiError(
+                        422,
+                        f"{name}: this server compiles at most {self.config.max_cold_settings} "
+                        f"settings beyond the warmed ones; it serves (variant, num_beams, "
+                        f"n_docs) in {served}",
+                    )
+                self.compiling.add(setting)
+                self.compiler.submit(self._compile_cold, setting)
+            retry = max(1, math.ceil(self.compile_s))
+        raise ApiError(
+            503,
+            f"{name}: compiling its programs; try again in {retry} s",
+            headers={"Retry-After": str(retry)},
+        )
+
+    def settings_view(self) -> dict:
+        with self.settings_lock:
+            view = {"ready": self.warm, "compiling": self.compiling, "failed": self.failed}
+            return {k: sorted(dataclasses.astuple(s) for s in v) for k, v in view.items()}
+
+    def programs_view(self) -> list[dict]:
+        """Per served setting, its (bucket, width) shapes compiled ("ready") and those still
+        compiling in the background ("pending"), JSON-ready."""
+        plan = self.model.compile_plan(self.config.max_batch)
+        with self.settings_lock:
+            served = sorted(self.warm, key=dataclasses.astuple)
+        out = []
+        for setting in served:
+            ready = self.ready_shapes(setting)
+            out.append(
+                {
+                    **dataclasses.asdict(setting),
+                    "ready": [list(s) for s in ready],
+                    "pending": [list(s) for s in plan if s not in ready],
+                }
+            )
+        return out
+
+    def row_of(self, store, passage_id: str) -> int | None:
+        """`passage_id`'s row in `store` (a store is immutable: its map is built once)."""
+        cached, rows = self.rows
+        if cached is not store:  # an edit made a new store
+            rows = {store.ids[i]: i for i in range(len(store))}
+            self.rows = (store, rows)
+        return rows.get(passage_id)
+
+    def passage(self, passage_id: str) -> dict:
+        store = self.model.store
+        row = self.row_of(store, passage_id)
+        if row is None:
+            raise ApiError(404, f"no passage with id {passage_id!r}")
+        return {"id": passage_id, "title": store.title(row), "text": store.text(row)}
+
+    def setting_of(self, request: AnswerRequest) -> batching.Setting:
+        c, d = self.config, self.default
+        if not request.questions:
+            raise ApiError(422, "questions: expected 1 or more questions, got none")
+        if len(request.questions) > c.max_batch:
+            raise ApiError(
+                413, f"questions: {len(request.questions)} questions, at most {c.max_batch}"
+            )
+        for i, q in enumerate(request.questions):
+            check_text(f"questions[{i}]", q, c.max_question_chars, "a question")
+            if not q.strip():
+                raise ApiError(422, f"questions[{i}]: expected a non-empty question")
+        n_docs = d.n_docs if request.n_docs is None else request.n_docs
+        top = min(self.max_n_docs, len(self.model.store))
+        if not 1 <= n_docs <= top:
+            raise ApiError(422, f"n_docs={n_docs}: this server retrieves 1 to {top} passages")
+        beams = d.num_beams if request.num_beams is None else request.num_beams
+        if not 1 <= beams <= c.max_beams:
+            raise ApiError(422, f"num_beams={beams}: this server decodes 1 to {c.max_beams} beams")
+        return batching.Setting(request.variant or d.variant, beams, n_docs)
+
+
+def live_metrics(state: ServerState) -> metrics.Live:
+    """The server's state for a metrics scrape."""
+    queued_requests, queued_questions = state.batcher.waiting()
+    return metrics.Live(
+        ready=state.ready.is_set(),
+        compiles=state.model.traces,
+        compiles_at_ready=state.compiled_traces,
+        passages=len(state.model.store),
+        queued_requests=queued_requests,
+        queued_questions=queued_questions,
+        settings=state.settings_view(),
+    )
