@@ -1,5 +1,6 @@
 """What `pip install .` ships: every folder of the package that holds modules."""
 
+import ast
 import pathlib
 
 import setuptools
@@ -24,3 +25,51 @@ def test_every_subpackage_is_installed():
         "rag_jax.devices",
         "rag_jax.serving",
     } <= shipped
+
+
+def _imports(path: pathlib.Path) -> set[str]:
+    """The rag_jax modules `path` imports (a `from pkg import name` of a submodule counts as it)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.startswith("rag_jax")}
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("rag_jax"):
+            for alias in node.names:
+                sub = f"{node.module}.{alias.name}"
+                is_module = (ROOT / (sub.replace(".", "/") + ".py")).is_file()
+                found.add(sub if is_module else node.module)
+    return found
+
+
+def test_no_module_imports_one_that_imports_it_back():
+    graph = {}
+    for path in (ROOT / "rag_jax").rglob("*.py"):
+        name = ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+        graph[name] = _imports(path)
+    done, cycles = set(), []
+
+    def visit(node, path):
+        if node in path:
+            cycles.append(path[path.index(node) :] + [node])
+            return
+        if node in done:
+            return
+        for nxt in sorted(graph.get(node, ())):
+            visit(nxt, path + [node])
+        done.add(node)
+
+    for node in sorted(graph):
+        visit(node, [])
+    assert not cycles, cycles[:3]
+    assert len(graph) > 50  # the walk read the package
+
+
+def test_modules_stay_within_the_style_guides_size():
+    # docs/design.md: split a module that passes ~600 lines along a seam that explains itself.
+    sizes = {
+        str(p.relative_to(ROOT)): len(p.read_text(encoding="utf-8").splitlines())
+        for folder in ("rag_jax", "benchmarks", "experiments")
+        for p in (ROOT / folder).rglob("*.py")
+    }
+    assert len(sizes) > 80
+    assert not {p: n for p, n in sizes.items() if n > 600}
