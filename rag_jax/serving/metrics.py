@@ -259,8 +259,7 @@ class _LiveCollector:
             "rag_jax_setting_state",
             "1 for each state a setting (variant, num_beams, n_docs) is in, 0 for the others: "
             "ready (served), compiling (its first programs, in the background), failed (its "
-            "compile raised); the warm-up's settings appear once served (rag_jax_ready is 0 "
-            "until then)",
+            "compile raised); the warm-up's settings are compiling until served",
             labels=["variant", "num_beams", "n_docs", "state"],
         )
         states = list(dict.fromkeys([*SETTING_STATES, *live.settings]))  # fixed by the server

@@ -138,12 +138,20 @@ class ServerState:
     def warm_up(self) -> None:
         """Compiles each warmed setting's first shape and reports ready; their other shapes then
         compile in the background (the answers meanwhile pad up to the shapes compiled)."""
-        try:
-            for setting in self.warmed:
+        with self.settings_lock:  # /metrics shows them compiling until served
+            self.compiling.update(self.warmed)
+        for setting in self.warmed:
+            try:
                 self._compile_first(setting)
-        except Exception:  # noqa: BLE001 - the server stays up, not ready, and says why
-            log.exception("compiling the answering programs failed")
-            return
+            except Exception as e:  # noqa: BLE001 - the server stays up, not ready, and says why
+                log.exception("compiling the answering programs of %s failed", setting)
+                with self.settings_lock:
+                    self.failed[setting] = f"{type(e).__name__}: {e}"
+                    self.compiling.difference_update(self.warmed)
+                return
+            finally:
+                with self.settings_lock:
+                    self.compiling.discard(setting)
         self.ready.set()
         log.warning("ready: %d traces compiled; the other shapes follow", self.model.traces)
         for setting in self.warmed:
