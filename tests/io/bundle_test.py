@@ -94,9 +94,12 @@ def test_answers_do_not_depend_on_the_batch_and_steady_traffic_does_not_recompil
         assert single.answer == want.answer
         assert [p.id for p in single.passages] == [p.id for p in want.passages]
         assert single.log_likelihood == pytest.approx(want.log_likelihood, abs=1e-4)
-    assert model.traces == traces + 2  # batches of 1: embedding, and generation with scoring
+    # Batches of 1: at most the embedding and the generation with scoring compile (fewer when
+    # another bundle of this model in the process compiled them: programs are per model).
+    singles = model.traces
+    assert singles <= traces + 2
     model.answer(questions[5:6])
-    assert model.traces == traces + 2
+    assert model.traces == singles
 
 
 def test_rag_token_answers_say_which_passage_each_token_came_from(trained):
