@@ -31,7 +31,7 @@ from absl import app, flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
 from benchmarks import aot, tpu_topology  # noqa: E402
-from rag_jax import settings  # noqa: E402
+from rag_jax.run import settings  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "experiment config file", lock_config=True
