@@ -64,7 +64,8 @@ def test_a_frozen_generator_is_a_constant_of_the_loss():
     g_all, g_frozen = trained(params, batch), frozen(params, batch)
     # The question encoder's gradient (through the doc scores) is the same either way.
     jax.tree.map(
-        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7),
+        # Whole-model gradients from two differently compiled programs: the model tolerance.
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7),
         g_all["question_encoder"],
         g_frozen["question_encoder"],
     )
