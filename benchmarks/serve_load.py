@@ -1,17 +1,22 @@
 r"""Load on the server: rag_jax's `experiments/serve.py` against transformers served the usual way.
 
-    python benchmarks/serve_load.py --bundle /tmp/rag_default/bundle     # ~3 min on 2 CPU cores
+    python benchmarks/serve_load.py --bundle /tmp/rag_default/bundle     # ~5 min on 2 CPU cores
+    python benchmarks/serve_load.py --cold --requests 0     # our cold start alone: ready, compiled
 
 Both servers run on 127.0.0.1 in subprocesses of this one run, over the same model: ours serves
-the bundle (dynamic batching, programs compiled before ready); the baseline serves its HF export
-(`Bundle.to_hf`: `Rag*ForGeneration`, `RagRetriever` over the same passages and an exact faiss
-index of the same vectors) with a minimal FastAPI app that answers each request with one
-`generate` call under a lock, torch on as many threads as the machine has cores (XLA's CPU
-client uses them all). The same client, 16 concurrent connections, sends each `--requests`
-one-question requests (the run's held-out questions, in turn) after a warm-up; it reports
-requests/s, p50/p99 latency, errors, how often the two servers' answers agree, and from our
-server's /v1/metrics the batch sizes and whether anything compiled under load. Writes
-`bench_results/serve_load.json`.
+the bundle (dynamic batching, a pipeline of preparation and generation); the baseline serves its
+HF export (`Bundle.to_hf`: `Rag*ForGeneration`, `RagRetriever` over the same passages and an
+exact faiss index of the same vectors) with a minimal FastAPI app that answers each request with
+one `generate` call under a lock, torch on as many threads as the machine has cores. Each server
+starts on its own and is timed to `/healthz` 200 ("ready_s") and, ours, to every program
+compiled ("compiled_s": it turns ready after the first and compiles the rest in the background;
+`--cold` compiles them from nothing, in a cache of the run's own). The same client, 16
+concurrent connections, sends one-question requests (the run's held-out questions, in turn):
+`--warmup` untimed to each, then `--requests` timed to each, in `--rounds` rounds that alternate
+between the servers, so that a shared machine's load drifting during the run weighs on both
+alike. It reports requests/s, p50/p99 latency, errors, the load average before each round, how
+often the two servers' answers agree, and from our server's /v1/metrics the mean batch and
+whether anything compiled under load. Writes `bench_results/serve_load.json`.
 
 `--hf_server DIR --port P` is the baseline server itself (started by the run).
 """
@@ -127,12 +132,13 @@ def _wait_ready(process, url: str, log: pathlib.Path, timeout: float = 900.0) ->
     raise TimeoutError(f"{url} not ready after {timeout} s")
 
 
-async def _load(url: str, questions: list[str], requests: int, clients: int) -> dict:
-    """`requests` one-question POSTs from `clients` concurrent connections."""
+async def _load(url: str, questions: list[str], requests: int, clients: int, first=0) -> dict:
+    """`requests` one-question POSTs from `clients` concurrent connections, asking
+    `questions[first:]` in turn: {"latencies" (s), "answers", "errors", "seconds"}."""
     import httpx
 
     latencies, answers, errors = [], {}, []
-    next_request = iter(range(requests))
+    next_request = iter(range(first, first + requests))
 
     async def client(http):
         for i in next_request:
@@ -154,16 +160,25 @@ async def _load(url: str, questions: list[str], requests: int, clients: int) -> 
         start = time.perf_counter()
         await asyncio.gather(*(client(http) for _ in range(clients)))
         seconds = time.perf_counter() - start
+    return {"latencies": latencies, "answers": answers, "errors": errors, "seconds": seconds}
+
+
+def _summary(rounds: list[dict]) -> dict:
+    """Requests/s over the rounds' summed time, latency percentiles over all their requests."""
+    latencies = [x for r in rounds for x in r["latencies"]]
+    errors = [e for r in rounds for e in r["errors"]]
+    seconds = sum(r["seconds"] for r in rounds)
     ms = np.asarray(latencies) * 1e3
     return {
-        "requests": requests,
+        "requests": len(latencies) + len(errors),
         "errors": len(errors),
         "first_errors": errors[:3],
         "seconds": round(seconds, 2),
         "requests_per_s": round(len(latencies) / seconds, 1),
+        "rounds_requests_per_s": [round(len(r["latencies"]) / r["seconds"], 1) for r in rounds],
         "p50_ms": round(float(np.percentile(ms, 50)), 1) if ms.size else None,
         "p99_ms": round(float(np.percentile(ms, 99)), 1) if ms.size else None,
-        "answers": answers,
+        "answers": {q: a for r in rounds for q, a in r["answers"].items()},
     }
 
 
@@ -173,8 +188,6 @@ def _questions(bundle_dir: pathlib.Path, path: str | None) -> list[str]:
 
 
 def run(args) -> dict:
-    import httpx
-
     from rag_jax.io import bundle
 
     bundle_dir = pathlib.Path(args.bundle)
@@ -201,31 +214,20 @@ def run(args) -> dict:
     if not args.requests:  # the start-up alone
         servers = {"rag_jax": servers["rag_jax"]}
     results = {"setting": setting, "clients": args.clients, "load_before": os.getloadavg()}
-    for name, command in servers.items():
-        log = tmp / f"{name}.log"
-        process, url = _start(command, log, **(cache if name == "rag_jax" else {}))
-        try:
-            started = _wait_ready(process, url, log)
-            if not args.requests:
-                results[name] = result = started
-                continue
-            asyncio.run(_load(url, questions, args.warmup, args.clients))  # warm-up, untimed
-            before = httpx.get(f"{url}/v1/metrics").json() if name == "rag_jax" else None
-            load = os.getloadavg()
-            result = asyncio.run(_load(url, questions, args.requests, args.clients))
-            result.update(started, load_before=load, load_after=os.getloadavg())
-            if before is not None:
-                after = httpx.get(f"{url}/v1/metrics").json()
-                result["compiles_under_load"] = after["compiles"] - before["compiles"]
-                b0, b1 = before["batches"], after["batches"]
-                result["mean_batch"] = round(
-                    (b1["questions"] - b0["questions"]) / max(1, b1["count"] - b0["count"]), 2
-                )
-            results[name] = result
-        finally:
+    urls, processes = {}, []
+    try:
+        for name, command in servers.items():  # one after the other: each starts on its own
+            log = tmp / f"{name}.log"
+            process, urls[name] = _start(command, log, **(cache if name == "rag_jax" else {}))
+            processes.append(process)
+            results[name] = _wait_ready(process, urls[name], log)
+            print(name, results[name], flush=True)
+        if args.requests:
+            _timed(args, questions, urls, results)
+    finally:
+        for process in processes:
             process.terminate()
             process.wait(60)
-        print(name, {k: v for k, v in result.items() if k != "answers"}, flush=True)
     if not args.requests:
         return results
     ours, ref = results["rag_jax"], results["transformers"]
@@ -238,6 +240,36 @@ def run(args) -> dict:
     return results
 
 
+def _timed(args, questions: list[str], urls: dict, results: dict) -> None:
+    """The timed load, in `args.rounds` rounds that alternate between the servers (the first
+    to go changes each round): a machine whose load drifts during the run weighs on both alike.
+    Adds each server's `_summary` (ours also: its mean batch and its compiles under load) to
+    `results`, and the load average before each round."""
+    import httpx
+
+    for url in urls.values():
+        asyncio.run(_load(url, questions, args.warmup, args.clients))  # warm-up, untimed
+    before = httpx.get(f"{urls['rag_jax']}/v1/metrics").json()
+    rounds, loads = {name: [] for name in urls}, []
+    per_round = -(-args.requests // args.rounds)
+    for i in range(args.rounds):
+        loads.append(os.getloadavg()[0])
+        names = list(urls) if i % 2 == 0 else list(urls)[::-1]
+        for name in names:
+            load = _load(urls[name], questions, per_round, args.clients, first=i * per_round)
+            rounds[name].append(asyncio.run(load))
+    after = httpx.get(f"{urls['rag_jax']}/v1/metrics").json()
+    for name, parts in rounds.items():
+        results[name].update(_summary(parts))
+        print(name, {k: v for k, v in results[name].items() if k != "answers"}, flush=True)
+    results["load_per_round"] = [round(x, 2) for x in loads]
+    b0, b1 = before["batches"], after["batches"]
+    results["rag_jax"]["compiles_under_load"] = after["compiles"] - before["compiles"]
+    results["rag_jax"]["mean_batch"] = round(
+        (b1["questions"] - b0["questions"]) / max(1, b1["count"] - b0["count"]), 2
+    )
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--bundle", default="/tmp/rag_default/bundle", help="a bundle folder")
@@ -246,6 +278,9 @@ def main(argv=None):
         "--requests", type=int, default=2000, help="timed requests per server; 0: our start-up only"
     )
     parser.add_argument("--warmup", type=int, default=64, help="untimed requests first")
+    parser.add_argument(
+        "--rounds", type=int, default=4, help="timed rounds, alternating between the servers"
+    )
     parser.add_argument("--clients", type=int, default=16, help="concurrent connections")
     parser.add_argument("--max_batch", type=int, default=16, help="our server's --max_batch")
     parser.add_argument("--max_wait_ms", type=float, default=3.0, help="our --max_wait_ms")

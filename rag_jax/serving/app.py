@@ -55,6 +55,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.trustedhost import TrustedHostMiddleware
 from starlette.requests import ClientDisconnect
 
+from rag_jax.devices import host
 from rag_jax.io import answers, bundle, bundle_format
 from rag_jax.retrieval import files
 from rag_jax.retrieval.corpus import Passage
@@ -349,6 +350,9 @@ def serve(config: ServerConfig) -> None:
     a bundle an interrupted swap left aside and removes the folders interrupted writes left."""
     import uvicorn  # the [serve] extra
 
+    # XLA's CPU pool one thread short of the cores: the event loop and the batcher's preparing
+    # thread run beside the model without stalling its parallel ops.
+    host.start_jax_leaving_a_core()
     answers.enable_compilation_cache()
     for removed in bundle_format.remove_stale(config.bundle):
         log.warning("removed %s, left by an interrupted write", removed)
