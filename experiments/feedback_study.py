@@ -162,8 +162,10 @@ def run(
 ) -> dict:
     """Trains and evaluates every row of `selected` (see `rows`) into `out/<row>`.
 
-    Rows already in `out/results.json` are kept, so an interrupted experiment resumes where it
-    stopped. Writes `out/results.json` after every row and `out/curves.png` at the end.
+    Rows already in `out/results.json` with the same overrides are kept, not run again, so an
+    interrupted experiment resumes where it stopped: a row preempted (SIGTERM) saves its training
+    and ends the study there (returned with `"preempted": row`), without evaluating it. Writes
+    `out/results.json` after every row and `out/curves.png` at the end.
 
     Args:
       base: the experiment's config; `selected`: row name -> overrides.
@@ -184,10 +186,18 @@ def run(
         results["rows"] = json.loads(previous.read_text()).get("rows", {})
     start = time.perf_counter()
     for name, overrides in selected.items():
+        if name in results["rows"] and results["rows"][name]["overrides"] == overrides:
+            print(f"\n== {name} == (done: kept from {previous})", flush=True)
+            continue
         print(f"\n== {name} ==", flush=True)
         t0 = time.perf_counter()
         config = row_config(base, overrides, str(cache_dir or out / "cache"))
         summary = loop.train_and_evaluate(config, out / name)
+        if "preempted" in summary:  # saved; running the study again resumes this row
+            done = sorted(results["rows"])
+            print(f"{name} preempted ({summary['preempted']}); rows done: {done}", flush=True)
+            results["preempted"] = name
+            return results
         row = {
             "overrides": overrides,
             "final": summary["eval"],

@@ -168,13 +168,16 @@ def main(argv=None):
         config = CONFIGS[args.config].get_config(args.variant)
         base = settings.override(config, dict(extra, seed=seed))
         base.retrieval.cache_dir = str(out / "index_cache")  # one encoding of the corpus
-        feedback_study.run(
+        results = feedback_study.run(
             base,
             out / f"seed{seed}",
             selected,
             swap=lambda workdir: hot_swap(workdir, args.swap_questions, 0),  # noqa: B023
             cache_dir=out / "cache",
         )
+        if "preempted" in results:
+            print(f"seed {seed}: stopped in row {results['preempted']}; the same command resumes")
+            return
     table = summary(out, seeds)
     files.write_atomic(out / "summary.json", json.dumps(table, indent=1).encode())
     print("\n" + markdown(table))

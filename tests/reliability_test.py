@@ -732,7 +732,11 @@ def test_sigterm_in_the_training_loop_saves_the_step_it_finished(tmp_path, preem
         return original(self, state, step, retriever)
 
     monkeypatch.setattr(Batcher, "train_batch", sigterm_at)
-    assert loop.train_and_evaluate(config, tmp_path)["steps"] == 2
+    summary = loop.train_and_evaluate(config, tmp_path)
+    # Saved and returned at once: the evaluation is the resumed run's (a preempted host has
+    # seconds, and a half-trained model's metrics would pass for the run's).
+    assert summary == {"preempted": "saved step 2 of 3", "steps": 2}, summary
+    assert not (tmp_path / "predictions.jsonl").exists()
     with checkpoints.Checkpointer(tmp_path, read_only=True) as ckpt:
         assert ckpt.latest_step() == 2
     monkeypatch.setattr(Batcher, "train_batch", original)

@@ -380,6 +380,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir) -> dict:
             logger.write(step, during, "eval/")  # learning curves; the final eval follows
     bar.close()
     ckpt.close()
+    if step < tc.steps:  # preempted, saved: the evaluation is the resumed run's to make
+        logger.close()
+        return {"preempted": f"saved step {step} of {tc.steps}", "steps": step}
     retriever = retrievers.finish(state.params)  # the final passage encoder's index
 
     after, predictions = {}, []

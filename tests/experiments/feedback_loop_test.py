@@ -53,6 +53,14 @@ def test_rows_curves_and_hot_swap(tmp_path, monkeypatch):
     # The hot-swap index was built from the edited corpus, not the trained one.
     assert (tmp_path / "frozen_sequence" / "hot_swap_passages" / "manifest.json").is_file()
 
+    # Run again into the same folder: the finished rows are kept, not trained or evaluated again.
+    metrics = (tmp_path / "frozen_sequence" / "metrics.jsonl").read_text()
+    again = feedback_loop.main(
+        ["--out", str(tmp_path), "--quick", "--no-plot", "--rows", "closed_book,frozen_sequence"]
+    )
+    assert again["rows"] == written["rows"]
+    assert (tmp_path / "frozen_sequence" / "metrics.jsonl").read_text() == metrics
+
 
 def test_unknown_row_is_refused(tmp_path):
     with pytest.raises(SystemExit):
