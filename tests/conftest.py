@@ -6,7 +6,8 @@ mesh of 8) run on any laptop; single-device tests are unaffected (they use devic
 
 import os
 
-_FLAG = "--xla_force_host_platform_device_count=8"
+FAKE_DEVICES = 8
+_FLAG = f"--xla_force_host_platform_device_count={FAKE_DEVICES}"
 if _FLAG not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FLAG).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -19,6 +20,20 @@ import subprocess  # noqa: E402
 import pytest  # noqa: E402
 
 SHARED_DATA = pathlib.Path(__file__).resolve().parents[1].parent / "shared" / "data"
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    """A `data` mesh over the 8 fake CPU devices (`sharding.data_mesh`); skips with fewer."""
+    import jax
+
+    from rag_jax.devices import sharding
+
+    if jax.device_count() != FAKE_DEVICES:
+        pytest.skip(
+            reason=f"needs {FAKE_DEVICES} devices (see conftest.py); got {jax.device_count()}"
+        )
+    return sharding.data_mesh()
 
 
 @pytest.fixture(scope="session")

@@ -22,18 +22,9 @@ from rag_jax import rag
 from rag_jax.devices import sharding
 from rag_jax.io import hf
 
-NUM_DEVICES = 8
+NUM_DEVICES = 8  # conftest.py's fake devices: the `mesh` fixture
 B, N, S, T, Q, D = 16, 3, 11, 7, 6, 8
 GEN = dict(max_length=8, min_length=2, no_repeat_ngram_size=2, num_beams=3)
-
-
-@pytest.fixture(scope="module")
-def mesh():
-    if jax.device_count() != NUM_DEVICES:
-        pytest.skip(
-            reason=f"needs {NUM_DEVICES} devices (see conftest.py); got {jax.device_count()}"
-        )
-    return jax.sharding.Mesh(np.array(jax.devices()), (sharding.DATA_AXIS,))
 
 
 @pytest.fixture(scope="module")

@@ -10,16 +10,7 @@ import pytest
 
 from rag_jax.devices import distributed, sharding
 
-NUM_DEVICES = 8
-
-
-@pytest.fixture(scope="module")
-def mesh():
-    if jax.device_count() != NUM_DEVICES:
-        pytest.skip(
-            reason=f"needs {NUM_DEVICES} devices (see conftest.py); got {jax.device_count()}"
-        )
-    return sharding.data_mesh()
+NUM_DEVICES = 8  # conftest.py's fake devices: the `mesh` fixture
 
 
 def test_shard_batch_places_contiguous_rows_on_each_device(mesh):

@@ -8,16 +8,7 @@ from jax.sharding import PartitionSpec as P
 
 from rag_jax.devices import distributed, sharding
 
-NUM_DEVICES = 8
-
-
-@pytest.fixture(scope="module")
-def mesh():
-    if jax.device_count() != NUM_DEVICES:
-        pytest.skip(
-            reason=f"needs {NUM_DEVICES} devices (see conftest.py); got {jax.device_count()}"
-        )
-    return sharding.data_mesh()
+NUM_DEVICES = 8  # conftest.py's fake devices: the `mesh` fixture
 
 
 def test_data_mesh_spans_all_devices(mesh):
