@@ -243,6 +243,8 @@ def train_row(p: Plan, t: Target, batch: int, in_step: bool, *, detail: bool = T
         "index": "in step" if in_step else "host",
         "remat": config.model.remat,
         "param_sharding": config.train.param_sharding,
+        "attention_impl": config.model.attention_impl,
+        "optimizer_impl": config.train.optimizer_impl,
         "arguments": {  # per chip, known before compiling
             "parameters": device_memory.per_device_bytes(state.params),
             "optimizer state": device_memory.per_device_bytes(state.opt_state),

@@ -11,6 +11,7 @@ row per generation program.
 
 import argparse
 import json
+import pathlib
 
 # On-demand price per chip-hour, US regions (cloud.google.com/tpu/pricing, as listed in 2025 in
 # tpu/README.md; not re-checked here, and they differ by region).
@@ -28,6 +29,21 @@ def _slice(target: dict) -> str:
     cores = 2 if target["kind"] in ("TPU v4", "TPU v5") else 1
     name = SLICES.get(target["kind"], "{}").format(target["chips"] * cores)
     return f"{name} ({target['topology']}, {target['hosts']} host{'s' * (target['hosts'] > 1)})"
+
+
+def _setting(report: dict, row: dict) -> str:
+    """What besides the slice and the batch tells compiles apart: the parameter layout, the
+    attention and optimizer implementations when not XLA's and optax's (reports from before they
+    were recorded used those), and the generator when it is not the config's BART."""
+    parts = [row["param_sharding"]]
+    if row.get("attention_impl", "xla") != "xla":
+        parts.append(f"{row['attention_impl']} attention")
+    if row.get("optimizer_impl", "optax") != "optax":
+        parts.append(f"{row['optimizer_impl']} AdamW")
+    generator = str((report.get("models") or {}).get("generator", ""))
+    if generator and not generator.startswith("config.model.generator "):
+        parts.append(pathlib.PurePath(generator.split(" ")[0]).name)
+    return ", ".join(parts)
 
 
 def train_rows(report: dict, steps: int) -> list[str]:
@@ -51,7 +67,7 @@ def train_rows(report: dict, steps: int) -> list[str]:
         price = PRICES.get(t["kind"])
         cost = f"${hours * t['chips'] * price:.2f}" if hours and price else "-"
         out.append(
-            f"| {_slice(t)} | {row['param_sharding']} | {'on' if row['remat'] else 'off'} "
+            f"| {_slice(t)} | {_setting(report, row)} | {'on' if row['remat'] else 'off'} "
             f"| {row['index']} | {row['batch']} ({row['per_chip_batch']}) | {_gib(need)} "
             f"/ {_gib(t['hbm_bytes_per_chip'])} | {fits} | {best} | {step} | {mfu} "
             f"| {'-' if hours is None else f'{hours:.2f}'} | {cost} |"
@@ -68,7 +84,7 @@ def largest_rows(reports: list[dict]) -> list[str]:
     for report in reports:
         t = report["target"]
         for row in report["train"]:
-            key = (t["topology"], row["param_sharding"], row["remat"], row["index"])
+            key = (t["topology"], _setting(report, row), row["remat"], row["index"])
             points = groups.setdefault(key, (t, {}))[1]
             need = row["memory"]["total"] if "memory" in row else row.get("needed_bytes")
             points[row["batch"]] = (need, row["fits"])

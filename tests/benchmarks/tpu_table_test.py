@@ -55,6 +55,24 @@ def test_largest_batch_from_the_line_through_two_compiles_in_two_reports():
     assert tpu_table.largest_rows(reports[:1]) == []  # one compile: no line to draw
 
 
+def test_compiles_of_other_kernels_or_another_generator_are_not_fitted_together():
+    xla = {"target": TARGET, "train": [_row(128, 14 * GIB)], "generate": []}
+    flash_row = dict(_row(256, 18 * GIB), attention_impl="flash", optimizer_impl="fused")
+    flash = {"target": TARGET, "train": [flash_row], "generate": []}
+    llama = {"target": TARGET, "train": [_row(256, 18 * GIB)], "generate": [],
+             "models": {"generator": "/x/tpu/architectures/llama-3.2-1b"}}  # fmt: skip
+    assert tpu_table.largest_rows([xla, flash, llama]) == []  # three settings, one compile each
+    (line,) = tpu_table.train_rows(flash, steps=1)
+    assert "| replicated, flash attention, fused AdamW | on |" in line
+    (line,) = tpu_table.train_rows(llama, steps=1)
+    assert "| replicated, llama-3.2-1b | on |" in line
+    # The config's BART (named by its config field) and the defaults add nothing.
+    bart = dict(xla, models={"generator": "config.model.generator (facebook/bart-large is not on "
+                                           "this machine)"})  # fmt: skip
+    (line,) = tpu_table.train_rows(bart, steps=1)
+    assert "| replicated | on |" in line
+
+
 def test_main_prints_the_tables(tmp_path, capsys):
     largest = {"rows": [{"batch": 64, "needed_bytes": 12 * GIB, "fits": True}]}
     report = {"target": TARGET, "train": [_row(128, 14 * GIB, largest=largest)], "generate": []}
