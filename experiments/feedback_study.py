@@ -121,9 +121,11 @@ def plot(results: dict, path: pathlib.Path) -> None:
     for name, row in results["rows"].items():
         if name == "closed_book":
             continue
-        steps = [c["step"] for c in row["curve"]]
         for ax, key in zip(axes, ("gold_recall@5", "exact_match")):
-            ax.plot(steps, [c.get(key, float("nan")) for c in row["curve"]], marker=".", label=name)
+            # The points that have the metric (`eval.every_answers=False`: recalls only).
+            points = [(c["step"], c[key]) for c in row["curve"] if key in c]
+            if points:
+                ax.plot(*zip(*points, strict=True), marker=".", label=name)
     for ax, title in zip(axes, ("held-out gold-passage recall@5", "held-out exact match")):
         ax.set_title(title)
         ax.set_xlabel("training step")

@@ -83,6 +83,10 @@ def get_config(variant: str = ""):
     config.eval.answer_examples = 500
     config.eval.answer_seed = 0
     config.eval.before = False
+    # Learning curves: the recalls over every dev question every 75 steps (the question tower
+    # alone, ~1-2 minutes each); EM/F1 only at the end.
+    config.eval.every = 75
+    config.eval.every_answers = False
     config.eval.batch_size = 8
     config.eval.max_length = 16  # generated tokens
     validation.check_frozen_layers(config.train.freeze, 30, 0)  # the generator's 30 layers

@@ -325,6 +325,11 @@ SCHEMA: dict[str, dict[str, tuple]] = {
             "the evaluations every k steps (learning curves) read the first N held-out "
             "questions; 0 = as many as before/after",
         ),
+        "every_answers": (
+            True,
+            "the evaluations every k steps answer questions (EM/F1) too; False: only their "
+            "retrieval recalls, which run the question tower alone",
+        ),
         "batch_size": (32, "questions per evaluation batch"),
         "n_docs": (
             0,

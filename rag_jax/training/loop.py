@@ -299,8 +299,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir) -> dict:
     logger = _Logger(workdir)
     eval_examples = exp.eval[: config.eval.max_examples or None]
 
-    def evaluate_now(params, retriever, examples=eval_examples):
-        return evaluate(exp, params, examples, mesh=mesh, variant=variant, retriever=retriever)
+    def evaluate_now(params, retriever, examples=eval_examples, generate=True):
+        return evaluate(
+            exp, params, examples, mesh=mesh, variant=variant, retriever=retriever,
+            generate=generate,
+        )  # fmt: skip
 
     before_path = workdir / "eval_before.json"
     if not (config.eval.enabled and config.eval.before):
@@ -376,7 +379,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir) -> dict:
         every = config.eval.every
         if config.eval.enabled and every and step % every == 0 and step < tc.steps:
             curve = eval_examples[: config.eval.every_max_examples or None]
-            during, _ = evaluate_now(state.params, retrievers.retriever, curve)
+            during, _ = evaluate_now(
+                state.params, retrievers.retriever, curve, config.eval.every_answers
+            )
             logger.write(step, during, "eval/")  # learning curves; the final eval follows
     bar.close()
     ckpt.close()

@@ -29,7 +29,15 @@ def _final_params(workdir):
 @pytest.fixture(scope="module")
 def fifty_steps(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("fifty")
-    config = tiny_config(**{"train.steps": 50, "train.log_every": 10, "train.save_every": 50})
+    config = tiny_config(
+        **{
+            "train.steps": 50,
+            "train.log_every": 10,
+            "train.save_every": 50,
+            "eval.every": 25,  # a learning-curve point at step 25: its recalls only
+            "eval.every_answers": False,
+        }
+    )
     exp = experiment.build(config, workdir)
     summary = loop.train_and_evaluate(config, workdir)
     return workdir, exp.params, summary
@@ -59,6 +67,14 @@ def test_summary_line_and_outputs(fifty_steps):
         assert isinstance(summary[key], float) and 0.0 <= summary[key] <= 1.0
     predictions = (workdir / "predictions.jsonl").read_text().splitlines()
     assert len(predictions) == 8  # eval.max_examples, the last partial batch included
+    evals = {
+        r["step"]: r
+        for r in map(json.loads, (workdir / "metrics.jsonl").read_text().splitlines())
+        if any(k.startswith("eval/") for k in r)
+    }
+    assert sorted(evals) == [0, 25, 50]
+    assert "eval/gold_recall@5" in evals[25] and "eval/exact_match" not in evals[25]
+    assert {"eval/gold_recall@5", "eval/exact_match"} <= set(evals[50])
     assert (workdir / "tensorboard").is_dir()
 
 
