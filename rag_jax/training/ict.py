@@ -365,6 +365,7 @@ def ict_warm_start(
         state = progress.load(state) or state
 
     log, window = [], []
+    queued = None  # the previous step's loss, while the device may still run it
     for step in range(int(state.step), steps):
         if progress is not None:
             progress.stop_if_requested(state, step, steps)
@@ -372,6 +373,11 @@ def ict_warm_start(
         inputs = {k: batch[k] for k in ("query_ids", "query_mask", "passage_ids", "passage_mask")}
         state, metrics = step_fn(state, jax.device_put(inputs))
         window.append(metrics)
+        # At most one step dispatched behind the running one: a stop request (SIGTERM) is
+        # honoured within about a step, not after every step the host had queued ahead.
+        if queued is not None:
+            queued.block_until_ready()
+        queued = metrics["loss"]
         if (step + 1) % log_every == 0 or step + 1 == steps:
             values = jax.device_get(window)
             loss = float(np.mean([m["loss"] for m in values]))

@@ -208,6 +208,7 @@ def reader_warm_start(
     if progress is not None:  # a warm start stopped midway goes on from where it stopped
         state = progress.load(state) or state
     log, window, every = [], [], max(1, steps // 10)
+    queued = None  # the previous step's loss, while the device may still run it
     start, tokens = time.perf_counter(), 0
     for step in range(int(state.step), steps):
         if progress is not None:
@@ -230,6 +231,11 @@ def reader_warm_start(
         batch = {"context_input_ids": context, "context_attention_mask": mask, "labels": labels}
         state, metrics = step_fn(state, jax.device_put(batch))
         window.append(metrics["loss"])
+        # At most one step dispatched behind the running one: a stop request (SIGTERM) is
+        # honoured within about a step, not after every step the host had queued ahead.
+        if queued is not None:
+            queued.block_until_ready()
+        queued = metrics["loss"]
         tokens += int(mask.sum())
         if (step + 1) % every == 0 or step + 1 == steps:
             value = float(np.mean(jax.device_get(window)))
@@ -237,5 +243,9 @@ def reader_warm_start(
                 raise FloatingPointError(f"non-finite reader warm-start loss at step {step + 1}")
             seconds = round(time.perf_counter() - start, 2)  # this process's, since it (re)started
             log.append({"step": step + 1, "loss": value, "seconds": seconds, "tokens": tokens})
+            print(
+                f"reader warm start: step {step + 1} of {steps}, loss {value:.3f}, {seconds:.0f} s",
+                flush=True,
+            )
             window = []
     return state.params, log
