@@ -22,8 +22,9 @@ import numpy as np
 from rag_jax import rag, rag_math
 from rag_jax.devices import distributed, sharding
 from rag_jax.retrieval.retriever import ClosedBook
-from rag_jax.run import data, experiment, metrics
-from rag_jax.training.batcher import Batcher
+from rag_jax.run import data, experiment, memo_decoding, metrics
+from rag_jax.training import memo
+from rag_jax.training.batcher import Batcher, memo_directory
 from rag_jax.training.inputs import context_width
 
 
@@ -105,6 +106,7 @@ def evaluate(
     local = batch_size // batcher.blocks  # rows of each batch this process retrieves for
     mine = slice(batcher.block * local, (batcher.block + 1) * local)
     gen = generate_fn(rag_cfg, variant, c.eval.sequence_decoding)
+    memos = _memos(exp, rag_cfg, variant, params) if generate and c.eval.answer_memo else None
     ks = [k for k in ks if k <= rag_cfg.n_docs]
     totals, predictions = {}, []
     for idx, mask in data.eval_batches(len(examples), batch_size):
@@ -124,7 +126,15 @@ def evaluate(
             ),
         )
         # Every block's answers and retrieved rows, on every process: -> [B, L], [B, N].
-        if generate:
+        if memos is not None:  # one process: this block is the whole batch
+            scores = doc_scores_fn(rag_cfg)(
+                params, fields["question_input_ids"], fields["question_attention_mask"],
+                hits.doc_vectors,
+            )  # fmt: skip
+            flat = lambda x: np.asarray(x).reshape(-1, x.shape[-1])  # noqa: E731 -> [B * N, S]
+            tokens = memo_decoding.sequence_answers(*memos, flat(ctx), flat(ctx_mask), scores)
+            doc_ids = hits.doc_ids
+        elif generate:
             tokens, doc_ids = distributed.gather_to_host(
                 (gen(params, q_ids, q_mask, vecs, ctx, ctx_mask), doc_ids)
             )
@@ -151,7 +161,38 @@ def evaluate(
                 for r, e in enumerate(batch_examples)
                 if mask[r]
             ]
+    if memos is not None:
+        for m in memos[:2]:
+            m.save()
     return metrics.reduce_metrics(totals), predictions
+
+
+def _memos(exp, rag_cfg, variant: str, params) -> tuple:
+    """(answer memo, greedy-answer memo, generator parameters on the host) of the generator
+    `params` holds (`config.eval.answer_memo`), checked: what `memo_decoding` computes, on one
+    process."""
+    memo_decoding.check_supported(rag_cfg, variant, exp.config.eval.sequence_decoding)
+    if jax.process_count() > 1:
+        raise ValueError("config.eval.answer_memo evaluates on one process")
+    generator = jax.device_get(params["generator"])
+    directory = memo_directory(exp)
+    return (
+        memo.AnswerMemo(rag_cfg, generator, exp.generator_tokenizer, directory),
+        memo_decoding.GreedyMemo(rag_cfg, generator, exp.generator_tokenizer, directory),
+        generator,
+    )
+
+
+@functools.cache
+def doc_scores_fn(rag_cfg: rag.RagConfig):
+    """The jitted `fn(params, q_ids [B, Q], q_mask, doc_vectors [B, N, D]) -> [B, N]` doc
+    scores of the evaluation call."""
+
+    def fn(params, q_ids, q_mask, doc_vectors):
+        q = rag.question_embeddings(rag_cfg, params, q_ids, q_mask)
+        return rag_math.doc_scores(q, doc_vectors, rag_cfg.doc_score_scale)
+
+    return jax.jit(fn)
 
 
 def _prediction(e: data.Example, answer: str, retrieved: list) -> dict:

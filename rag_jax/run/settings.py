@@ -346,6 +346,12 @@ SCHEMA: dict[str, dict[str, tuple]] = {
         "num_beams": (1, "1 = greedy"),
         "max_length": (8, "generated tokens, decoder start included"),
         "sequence_decoding": ("thorough", "thorough | fast (RAG-Sequence with beams > 1)"),
+        "answer_memo": (
+            False,
+            "greedy RAG-Sequence thorough decoding by a causal generator from memos of each "
+            "prompt's greedy answer and likelihoods (run.memo_decoding), kept beside "
+            "train.answer_memo's and shared by every evaluation of the same generator",
+        ),
     },
 }
 # Settings whose value is a mapping of free keys (checked where they are used).

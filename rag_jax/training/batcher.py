@@ -49,6 +49,12 @@ def batch_shapes(config, rag_cfg: rag.RagConfig, batch_size: int) -> dict:
     return {k: jax.ShapeDtypeStruct(shape, dtype) for k, (shape, dtype) in shapes.items()}
 
 
+def memo_directory(exp) -> pathlib.Path:
+    """Where a run's memos of its frozen generator are kept: `<warm_start.cache_dir or
+    workdir>/answer_memo` (shared by the runs that share a cache_dir)."""
+    return pathlib.Path(exp.config.warm_start.cache_dir or exp.workdir) / "answer_memo"
+
+
 def answer_memo(exp, mesh) -> AnswerMemo:
     """The run's `AnswerMemo` (`train.answer_memo`), checked: the whole generator frozen, and
     the passages found between steps (an in-step search gives the host no prompts to key)."""
@@ -72,7 +78,7 @@ def answer_memo(exp, mesh) -> AnswerMemo:
             "config.train.answer_memo keys the prompts the host assembles; the in-step search "
             "finds passages inside the step: use config.retrieval.index exact or scann"
         )
-    directory = pathlib.Path(c.warm_start.cache_dir or exp.workdir) / "answer_memo"
+    directory = memo_directory(exp)
     memo = AnswerMemo(exp.rag_cfg, exp.params["generator"], exp.generator_tokenizer, directory)
     print(f"answer memo: {len(memo)} pairs read from {memo.path}", flush=True)
     return memo

@@ -88,12 +88,12 @@ class AnswerMemo:
         self.computed = self.reused = 0  # pairs, since construction
         self._unsaved = 0
         if self.path.is_file():
-            self._load()
+            self.values.update(self._read())
 
     def __len__(self) -> int:
         return len(self.values)
 
-    def _load(self) -> None:
+    def _read(self) -> dict[bytes, np.ndarray]:
         try:
             with np.load(self.path, allow_pickle=False) as f:
                 stored = str(f["fingerprint"])
@@ -106,13 +106,17 @@ class AnswerMemo:
                 f"this run's {self.fingerprint}; it is not read (delete it or use another "
                 "warm_start.cache_dir)"
             )
-        for i, key in enumerate(keys):
-            self.values[key.tobytes()] = values[offsets[i] : offsets[i + 1]]
+        return {key.tobytes(): values[offsets[i] : offsets[i + 1]] for i, key in enumerate(keys)}
 
     def save(self) -> None:
-        """Writes the memo (only when it grew since the last write; process 0 only)."""
+        """Writes the memo, merged with what another memo object (an evaluation's, another
+        process's) wrote to the same file meanwhile (only when it grew since the last write;
+        process 0 only)."""
         if not self._unsaved or jax.process_index() != 0:
             return
+        if self.path.is_file():
+            for key, value in self._read().items():
+                self.values.setdefault(key, value)
         keys = list(self.values)
         lengths = [len(self.values[k]) for k in keys]
         arrays = {
@@ -156,7 +160,11 @@ class AnswerMemo:
             ).digest()
             for r, b in enumerate(rows)
         ]
-        missing = [r for r, k in enumerate(keys) if k not in self.values]
+        missing, new = [], set()
+        for r, k in enumerate(keys):  # each new pair computed once, at its first row
+            if k not in self.values and k not in new:
+                new.add(k)
+                missing.append(r)
         for start in range(0, len(missing), CHUNK):
             chunk = missing[start : start + CHUNK]
             take = chunk + [chunk[0]] * (CHUNK - len(chunk))  # padded with copies of its first
