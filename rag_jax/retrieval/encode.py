@@ -44,7 +44,7 @@ from jax.sharding import PartitionSpec as P
 from rag_jax.models import bert, layers
 from rag_jax.retrieval import vectors
 from rag_jax.retrieval.files import DTYPES
-from rag_jax.retrieval.store import tokenizer_fingerprint
+from rag_jax.retrieval.tokenizer_id import tokenizer_fingerprint
 
 DEFAULT_MAX_LENGTH = 256
 INPUT_FORMATS = ("pair", "single")

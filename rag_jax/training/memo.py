@@ -29,7 +29,7 @@ import numpy as np
 
 from rag_jax import causal, rag_math
 from rag_jax.retrieval import encode, files
-from rag_jax.retrieval.store import tokenizer_fingerprint
+from rag_jax.retrieval.tokenizer_id import tokenizer_fingerprint
 
 CHUNK = 8  # pairs per generator call: one compiled program per (prompt width, answer width)
 

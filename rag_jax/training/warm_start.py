@@ -22,7 +22,7 @@ import jax
 from rag_jax.retrieval import encode, files
 from rag_jax.retrieval.build import workdir_store
 from rag_jax.retrieval.corpus import Passage, corpus_files, read_corpus
-from rag_jax.retrieval.store import tokenizer_fingerprint
+from rag_jax.retrieval.tokenizer_id import tokenizer_fingerprint
 from rag_jax.run import checkpoints, data, settings, synthetic
 from rag_jax.training import ict, reader, salient
 
