@@ -18,15 +18,12 @@ Legend: B questions, N docs, S prompt length, L answer length, E prompts.
 """
 
 import hashlib
-import io
 import json
 import pathlib
 
-import jax
 import numpy as np
 
 from rag_jax import causal, generation, rag, rag_math, sequence_candidates
-from rag_jax.retrieval import files
 from rag_jax.training import memo
 
 CHUNK = 8  # prompts per greedy call: one compiled program per prompt width
@@ -55,7 +52,7 @@ def check_supported(rag_cfg, variant: str, sequence_decoding: str) -> None:
         raise ValueError("config.eval.answer_memo needs " + "; ".join(problems))
 
 
-class GreedyMemo:
+class GreedyMemo(memo.MemoFile):
     """Greedy answers of prompts under one frozen causal generator and decoding settings.
 
     `candidates(...)` returns them, generating those of prompts it has not seen; `save()` writes
@@ -64,57 +61,18 @@ class GreedyMemo:
     read).
     """
 
+    what = "greedy answers of generator/settings"
+    dtype = np.int32
+
     def __init__(self, rag_cfg, generator_params, tokenizer, directory):
         self.cfg = rag_cfg.replace(n_docs=1)
-        settings = generation.resolve_settings(rag_cfg, {})
         key = {
             "generator": memo.fingerprint(rag_cfg, generator_params, tokenizer),
-            "settings": settings,
+            "settings": generation.resolve_settings(rag_cfg, {}),
         }
         text = json.dumps(key, sort_keys=True, default=list)
-        self.fingerprint = hashlib.sha256(text.encode()).hexdigest()[:16]
-        self.path = pathlib.Path(directory) / f"{self.fingerprint}.greedy.npz"
-        self.values: dict[bytes, np.ndarray] = {}
-        self.computed = self.reused = 0  # prompts, since construction
-        self._unsaved = 0
-        if self.path.is_file():
-            self.values.update(self._read())
-
-    def __len__(self) -> int:
-        return len(self.values)
-
-    def _read(self) -> dict[bytes, np.ndarray]:
-        try:
-            with np.load(self.path, allow_pickle=False) as f:
-                stored, keys, tokens = str(f["fingerprint"]), f["keys"], f["tokens"]
-        except Exception as e:  # zip/npz errors name neither the file nor the cause
-            raise ValueError(f"{self.path}: unreadable greedy-answer memo ({e}); delete it") from e
-        if stored != self.fingerprint:
-            raise ValueError(
-                f"{self.path} holds the greedy answers of generator/settings {stored}, not of "
-                f"this run's {self.fingerprint}; it is not read (delete it)"
-            )
-        return {k.tobytes(): t for k, t in zip(keys, tokens, strict=True)}
-
-    def save(self) -> None:
-        """Writes the memo, merged with what another process or memo object wrote to the same
-        file meanwhile (only when it grew since the last write; process 0 only)."""
-        if not self._unsaved or jax.process_index() != 0:
-            return
-        if self.path.is_file():
-            for k, v in self._read().items():
-                self.values.setdefault(k, v)
-        keys = list(self.values)
-        arrays = {
-            "fingerprint": np.array(self.fingerprint),
-            "keys": np.array([np.frombuffer(k, np.uint8) for k in keys], np.uint8).reshape(-1, 20),
-            "tokens": np.stack([self.values[k] for k in keys]).astype(np.int32),
-        }
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        buffer = io.BytesIO()
-        np.savez(buffer, **arrays)
-        files.write_atomic(self.path, buffer.getvalue())
-        self._unsaved = 0
+        fp = hashlib.sha256(text.encode()).hexdigest()[:16]
+        super().__init__(pathlib.Path(directory) / f"{fp}.greedy.npz", fp)
 
     def candidates(self, generator_params, context_ids, context_mask) -> np.ndarray:
         """[E, L] int32 greedy answers (padded after EOS) of E prompts [E, S], right- or
@@ -124,11 +82,7 @@ class GreedyMemo:
             hashlib.sha1(context_ids[r][context_mask[r] == 1].astype(np.int32).tobytes()).digest()
             for r in range(len(context_ids))
         ]
-        missing, new = [], set()
-        for r, k in enumerate(keys):  # each new prompt generated once, at its first row
-            if k not in self.values and k not in new:
-                new.add(k)
-                missing.append(r)
+        missing = self._missing(keys)
         for start in range(0, len(missing), CHUNK):
             chunk = missing[start : start + CHUNK]
             take = chunk + [chunk[0]] * (CHUNK - len(chunk))  # padded with copies of its first
@@ -144,9 +98,6 @@ class GreedyMemo:
             tokens = np.asarray(tokens, np.int32)
             for i, r in enumerate(chunk):
                 self.values[keys[r]] = tokens[i]
-        self.computed += len(missing)
-        self.reused += len(keys) - len(missing)
-        self._unsaved += len(missing)
         return np.stack([self.values[k] for k in keys])
 
 

@@ -62,30 +62,21 @@ def pair_logprobs(rag_cfg, generator_params, context_ids, context_mask, labels) 
     return token_lp[:, 0]
 
 
-class AnswerMemo:
-    """Answer log-probabilities of (prompt, answer) pairs under one frozen causal generator.
+class MemoFile:
+    """1-D arrays by 20-byte key, kept in one `.npz` file named by and holding a fingerprint:
+    the file handling `AnswerMemo` and `run.memo_decoding.GreedyMemo` share.
 
-    `logprobs(...)` returns them for a batch, computing the pairs it has not seen; `save()`
-    writes the memo atomically to `<directory>/<fingerprint>.npz` (read back at construction).
+    Read at construction (a file of another fingerprint is refused, named); `save()` writes it
+    atomically, merged with what another memo object or process wrote to it meanwhile.
     """
 
-    def __init__(self, rag_cfg, generator_params, tokenizer, directory):
-        if not causal.is_causal(rag_cfg):
-            raise ValueError(
-                "config.train.answer_memo needs a causal generator (model.generator_path a "
-                "Llama-family model); a seq2seq generator's likelihood is not memoised"
-            )
-        if rag_cfg.label_smoothing:
-            raise ValueError(
-                f"config.train.answer_memo memoises the answer tokens' log-probabilities, not "
-                f"the label-smoothing sums: set config.rag.label_smoothing=0 (it is "
-                f"{rag_cfg.label_smoothing})"
-            )
-        self.cfg = rag_cfg
-        self.fingerprint = fingerprint(rag_cfg, generator_params, tokenizer)
-        self.path = pathlib.Path(directory) / f"{self.fingerprint}.npz"
+    what = "memo"  # for messages: what the file holds
+    dtype = np.float32
+
+    def __init__(self, path: pathlib.Path, fingerprint: str):
+        self.fingerprint, self.path = fingerprint, path
         self.values: dict[bytes, np.ndarray] = {}
-        self.computed = self.reused = 0  # pairs, since construction
+        self.computed = self.reused = 0  # values, since construction
         self._unsaved = 0
         if self.path.is_file():
             self.values.update(self._read())
@@ -99,11 +90,11 @@ class AnswerMemo:
                 stored = str(f["fingerprint"])
                 keys, offsets, values = f["keys"], f["offsets"], f["values"]
         except Exception as e:  # zip/npz errors name neither the file nor the cause
-            raise ValueError(f"{self.path}: unreadable answer memo ({e}); delete it") from e
+            raise ValueError(f"{self.path}: unreadable {self.what} ({e}); delete it") from e
         if stored != self.fingerprint:
             raise ValueError(
-                f"{self.path} holds the answer memo of generator/tokenizer {stored}, not of "
-                f"this run's {self.fingerprint}; it is not read (delete it or use another "
+                f"{self.path} holds the {self.what} of {stored}, not of this run's "
+                f"{self.fingerprint}; it is not read (delete it or use another "
                 "warm_start.cache_dir)"
             )
         return {key.tobytes(): values[offsets[i] : offsets[i + 1]] for i, key in enumerate(keys)}
@@ -121,12 +112,10 @@ class AnswerMemo:
         lengths = [len(self.values[k]) for k in keys]
         arrays = {
             "fingerprint": np.array(self.fingerprint),
-            "keys": np.array([np.frombuffer(k, np.uint8) for k in keys], np.uint8).reshape(
-                len(keys), 20
-            ),
+            "keys": np.array([np.frombuffer(k, np.uint8) for k in keys], np.uint8).reshape(-1, 20),
             "offsets": np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
             "values": np.concatenate([self.values[k] for k in keys] or [np.zeros(0)]).astype(
-                np.float32
+                self.dtype
             ),
         }
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -134,6 +123,44 @@ class AnswerMemo:
         np.savez(buffer, **arrays)
         files.write_atomic(self.path, buffer.getvalue())
         self._unsaved = 0
+
+    def _missing(self, keys: list[bytes]) -> list[int]:
+        """The rows of `keys` to compute: each key not held yet, at its first row; counts them."""
+        missing, new = [], set()
+        for r, k in enumerate(keys):
+            if k not in self.values and k not in new:
+                new.add(k)
+                missing.append(r)
+        self.computed += len(missing)
+        self.reused += len(keys) - len(missing)
+        self._unsaved += len(missing)
+        return missing
+
+
+class AnswerMemo(MemoFile):
+    """Answer log-probabilities of (prompt, answer) pairs under one frozen causal generator.
+
+    `logprobs(...)` returns them for a batch, computing the pairs it has not seen; `save()`
+    writes the memo atomically to `<directory>/<fingerprint>.npz` (read back at construction).
+    """
+
+    what = "answer memo of generator/tokenizer"
+
+    def __init__(self, rag_cfg, generator_params, tokenizer, directory):
+        if not causal.is_causal(rag_cfg):
+            raise ValueError(
+                "config.train.answer_memo needs a causal generator (model.generator_path a "
+                "Llama-family model); a seq2seq generator's likelihood is not memoised"
+            )
+        if rag_cfg.label_smoothing:
+            raise ValueError(
+                f"config.train.answer_memo memoises the answer tokens' log-probabilities, not "
+                f"the label-smoothing sums: set config.rag.label_smoothing=0 (it is "
+                f"{rag_cfg.label_smoothing})"
+            )
+        self.cfg = rag_cfg
+        fp = fingerprint(rag_cfg, generator_params, tokenizer)
+        super().__init__(pathlib.Path(directory) / f"{fp}.npz", fp)
 
     def logprobs(self, generator_params, context_ids, context_mask, labels) -> np.ndarray:
         """[B, N, T] float32 answer-token log-probabilities, 0 where not scored.
@@ -160,11 +187,7 @@ class AnswerMemo:
             ).digest()
             for r, b in enumerate(rows)
         ]
-        missing, new = [], set()
-        for r, k in enumerate(keys):  # each new pair computed once, at its first row
-            if k not in self.values and k not in new:
-                new.add(k)
-                missing.append(r)
+        missing = self._missing(keys)
         for start in range(0, len(missing), CHUNK):
             chunk = missing[start : start + CHUNK]
             take = chunk + [chunk[0]] * (CHUNK - len(chunk))  # padded with copies of its first
@@ -179,9 +202,6 @@ class AnswerMemo:
             )
             for i, r in enumerate(chunk):
                 self.values[keys[r]] = values[i][scored[rows[r]]].astype(np.float32)
-        self.computed += len(missing)
-        self.reused += len(keys) - len(missing)
-        self._unsaved += len(missing)
         out = np.zeros((batch * n_docs, width), np.float32)
         for r, (key, b) in enumerate(zip(keys, rows)):
             out[r, scored[b]] = self.values[key]
