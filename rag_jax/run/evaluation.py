@@ -176,11 +176,9 @@ def _memos(exp, rag_cfg, variant: str, params) -> tuple:
         raise ValueError("config.eval.answer_memo evaluates on one process")
     generator = jax.device_get(params["generator"])
     directory = memo_directory(exp)
-    return (
-        memo.AnswerMemo(rag_cfg, generator, exp.generator_tokenizer, directory),
-        memo_decoding.GreedyMemo(rag_cfg, generator, exp.generator_tokenizer, directory),
-        generator,
-    )
+    answers = memo.AnswerMemo(rag_cfg, generator, exp.generator_tokenizer, directory)
+    greedy = memo_decoding.GreedyMemo(rag_cfg, answers.fingerprint, directory)
+    return answers, greedy, generator
 
 
 @functools.cache
@@ -217,8 +215,7 @@ def generate_fn(rag_cfg: rag.RagConfig, variant: str, sequence_decoding: str):
     ctx [B, N, S], ctx_mask) -> [B, L]` generated tokens."""
 
     def fn(params, q_ids, q_mask, doc_vectors, ctx, ctx_mask):
-        q = rag.question_embeddings(rag_cfg, params, q_ids, q_mask)
-        scores = rag_math.doc_scores(q, doc_vectors, rag_cfg.doc_score_scale)  # -> [B, N]
+        scores = doc_scores_fn(rag_cfg)(params, q_ids, q_mask, doc_vectors)  # -> [B, N]
         flat = ctx.reshape(-1, ctx.shape[-1])  # -> [B * N, S]
         return rag.generate(
             rag_cfg,

@@ -64,10 +64,12 @@ class GreedyMemo(memo.MemoFile):
     what = "greedy answers of generator/settings"
     dtype = np.int32
 
-    def __init__(self, rag_cfg, generator_params, tokenizer, directory):
+    def __init__(self, rag_cfg, generator_fingerprint: str, directory):
+        """`generator_fingerprint`: `training.memo.fingerprint` of the generator and its
+        tokenizer (the answer memo's, `AnswerMemo.fingerprint`)."""
         self.cfg = rag_cfg.replace(n_docs=1)
         key = {
-            "generator": memo.fingerprint(rag_cfg, generator_params, tokenizer),
+            "generator": generator_fingerprint,
             "settings": generation.resolve_settings(rag_cfg, {}),
         }
         text = json.dumps(key, sort_keys=True, default=list)

@@ -39,11 +39,8 @@ def _prompts(seed=0):
 
 
 def _memos(cfg, params, directory, tokenizer=None):
-    tokenizer = tokenizer or _tokenizer()
-    return (
-        memo.AnswerMemo(cfg, params["generator"], tokenizer, directory),
-        memo_decoding.GreedyMemo(cfg, params["generator"], tokenizer, directory),
-    )
+    answers = memo.AnswerMemo(cfg, params["generator"], tokenizer or _tokenizer(), directory)
+    return answers, memo_decoding.GreedyMemo(cfg, answers.fingerprint, directory)
 
 
 def test_the_answers_are_rag_generates(tmp_path):
