@@ -386,6 +386,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir) -> dict:
     bar.close()
     ckpt.close()
     if step < tc.steps:  # preempted, saved: the evaluation is the resumed run's to make
+        retrievers.close()
         logger.close()
         return {"preempted": f"saved step {step} of {tc.steps}", "steps": step}
     retriever = retrievers.finish(state.params)  # the final passage encoder's index

@@ -48,6 +48,9 @@ class Fixed:
         del params
         return self.retriever
 
+    def close(self, wait: bool = False) -> None:
+        del wait
+
 
 class IndexRefresher:
     """A new retriever every `every` steps while the passage encoder trains; see the module
@@ -128,15 +131,20 @@ class IndexRefresher:
 
     def finish(self, params):
         """The retriever of the final passage encoder (built now, and saved), for evaluation."""
-        if self.pending is not None:
-            self.pending[1].cancel()
-            self.pending = None
+        self.close(wait=True)
         self.retriever = self._build(
             distributed.state_to_host(params["passage_encoder"]), save=True
         )
         self.refreshes += 1
-        self.pool.shutdown(wait=True)
         return self.retriever
+
+    def close(self, wait: bool = False) -> None:
+        """Ends the refreshes (a run that finishes, or stops at a preemption): a refresh not yet
+        started is cancelled and no other starts. One already encoding is waited for with
+        `wait`; without, it runs to its end in its thread, which the interpreter joins at exit
+        (a stopped run has saved its checkpoint before)."""
+        self.pending = None
+        self.pool.shutdown(wait=wait, cancel_futures=True)
 
 
 def schedule(exp, workdir, start: int):

@@ -5,6 +5,8 @@ import os
 import pathlib
 import subprocess
 import sys
+import threading
+import time
 
 import jax
 import jax.numpy as jnp
@@ -16,7 +18,7 @@ from rag_jax.devices import distributed
 from rag_jax.io import bundle
 from rag_jax.retrieval import encode, retriever
 from rag_jax.run import checkpoints, evaluation, experiment, synthetic, validation
-from rag_jax.training import loop
+from rag_jax.training import loop, refresh
 from rag_jax.training.batcher import Batcher
 from tiny_runs import _flat, first_batch, tiny_config
 
@@ -69,6 +71,34 @@ def test_refresh_trains_the_passage_encoder_and_resumes_bitwise(tmp_path, monkey
     assert any(jax.tree.leaves(moved)), "the passage encoder did not train"
     snapshots = sorted(p.name for p in (straight / "index_refresh").iterdir())
     assert snapshots == ["step_2.msgpack", "step_4.msgpack", "step_6.msgpack"]
+
+
+def test_a_stopped_refresher_cancels_what_is_queued_and_does_not_wait(tmp_path):
+    """A preempted run closes its refresher: a refresh still queued never starts, and the stop
+    does not wait for one that is encoding."""
+    started, release, builds = threading.Event(), threading.Event(), []
+
+    class Run:  # the experiment as the refresher reads it; its build blocks until released
+        retriever = "initial"
+        params = {"passage_encoder": {"w": np.zeros(2, np.float32)}}
+
+        def build_retriever(self, passage_params, save=False, mesh=None):
+            builds.append(save)
+            started.set()
+            release.wait(30)
+            return "refreshed"
+
+    refresher = refresh.IndexRefresher(Run(), tmp_path, every=2, lag=2)
+    refresher.at(2, Run.params)  # a refresh starts encoding
+    assert started.wait(30)
+    queued = refresher.pool.submit(Run().build_retriever, None)  # a second one behind it
+    began = time.perf_counter()
+    refresher.close()
+    assert time.perf_counter() - began < 5, "close waited for the running refresh"
+    assert queued.cancelled() and refresher.pending is None
+    release.set()
+    refresher.pool.shutdown(wait=True)
+    assert builds == [False], builds  # the queued refresh never ran
 
 
 def test_refresh_config_errors(tmp_path):
