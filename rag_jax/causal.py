@@ -19,6 +19,8 @@ per question, L generated length, V vocab, g key/value heads, d head width. `fla
 `[B * N, ...]` with rows ordered `b * N + n`.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -61,6 +63,24 @@ def check_prompts(context_attention_mask) -> None:
         raise ValueError(
             f"context_attention_mask row {row} is {mask[row].astype(int).tolist()}: a causal "
             "generator's prompt must be one run of real tokens, padded on the left or the right"
+        )
+
+
+def check_generation(cfg, context_input_ids, context_attention_mask, settings: dict) -> None:
+    """Refuses prompts and decoding settings a causal generator cannot generate from: prompts
+    not one run of real tokens, prompt + `max_length` beyond its positions, n-gram blocking."""
+    check_prompts(context_attention_mask)
+    longest = context_input_ids.shape[1] + settings["max_length"]
+    if longest > cfg.generator.max_position_embeddings:
+        raise ValueError(
+            f"prompts of {context_input_ids.shape[1]} tokens and max_length="
+            f"{settings['max_length']} new tokens exceed the generator's "
+            f"max_position_embeddings={cfg.generator.max_position_embeddings}"
+        )
+    if settings["no_repeat_ngram_size"]:
+        raise ValueError(
+            "no_repeat_ngram_size is not supported with a causal generator (HF counts the "
+            "prompt's n-grams too)"
         )
 
 
@@ -220,43 +240,87 @@ def _search(cfg, params, prompts, settings, *, outer, inner, post_fn=None):
     )
 
 
-def _thorough_fn(cfg, params, prompts: _Prompts, doc_scores):
-    """`(candidates [B, M, L], use_bos) -> [B, M]` RAG-Sequence NLL against all N prompts."""
+def _candidate_logits(cfg, params, prompts: _Prompts, candidates) -> jax.Array:
+    """[B * M * N, L, V] teacher-forced logits of each question's M candidates [B, M, L] after
+    each of its N prompts, rows (b, m, n), read off the prompts' cached keys and values."""
     model = _model(cfg)
     n_docs = cfg.n_docs
-    prefix = prompts.prefix(doc_scores.shape[0], n_docs)
+    batch, count, length = candidates.shape
+    last_ids = prompts.per_row(prompts.last_ids, batch, count, n_docs)
+    last_pos = prompts.per_row(prompts.last_pos, batch, count, n_docs)
+    flat = jnp.repeat(candidates.reshape(batch * count, length), n_docs, axis=0)
+    ids = jnp.concatenate([last_ids[:, None], flat[:, :-1]], axis=1)  # rows (b, m, n)
+    variables = {"params": params["generator"]}
+    hidden, _ = model.apply(
+        variables,
+        ids,
+        jnp.ones_like(ids),
+        last_pos[:, None] + jnp.arange(length),
+        prompts.prefix(batch, n_docs),
+        method=llama.Llama.hidden,
+    )
+    return model.apply(variables, hidden, method=llama.Llama.head)
+
+
+def _thorough_fn(cfg, params, prompts: _Prompts, doc_scores):
+    """`(candidates [B, M, L], use_bos) -> [B, M]` RAG-Sequence NLL against all N prompts."""
     gen = cfg.generator
 
     def score_fn(candidates, use_bos):
         del use_bos  # no BOS rule for a causal generator
-        batch, count, length = candidates.shape
-        last_ids = prompts.per_row(prompts.last_ids, batch, count, n_docs)
-        last_pos = prompts.per_row(prompts.last_pos, batch, count, n_docs)
-        flat = jnp.repeat(candidates.reshape(batch * count, length), n_docs, axis=0)
-        ids = jnp.concatenate([last_ids[:, None], flat[:, :-1]], axis=1)  # rows (b, m, n)
-        variables = {"params": params["generator"]}
-        hidden, _ = model.apply(
-            variables,
-            ids,
-            jnp.ones_like(ids),
-            last_pos[:, None] + jnp.arange(length),
-            prefix,
-            method=llama.Llama.hidden,
-        )
-        logits = model.apply(variables, hidden, method=llama.Llama.head)  # [B * M * N, L, V]
         return rag_math.rag_sequence_thorough_nll(
-            logits,
+            _candidate_logits(cfg, params, prompts, candidates),
             doc_scores,
             candidates,
             pad_token_id=gen.pad_token_id,
             bos_token_id=None,
-            n_docs=n_docs,
+            n_docs=cfg.n_docs,
             epsilon=cfg.label_smoothing,
             aligned=True,
             target_mask=label_mask(candidates, gen.eos_token_id, gen.pad_token_id),
         )
 
     return score_fn
+
+
+def greedy_thorough_parts(cfg, params, context_input_ids, context_attention_mask, settings):
+    """What RAG-Sequence greedy thorough decoding (`generate`) computes before the doc scores
+    weigh it: each prompt's greedy answer, and the log-probability of every one of them after
+    every prompt of its question, each prompt's keys and values computed once for both.
+
+    Args:
+      cfg: the RAG config (a causal generator; `cfg.n_docs` = N prompts a question).
+      params: RAG parameters (the generator's).
+      context_input_ids: [B * N, S] prompts, row b * N + n, padded on either side.
+      context_attention_mask: [B * N, S].
+      settings: greedy decoding settings (`generation.resolve_settings`; num_beams 1).
+
+    Returns:
+      candidates: [B, N, L] the greedy answer of prompt (b, n), padded after EOS.
+      token_lp: [B, N, N, L] float32, `[b, m, n, t]` the log-probability of candidate m's token
+        t after prompt n (any value after its EOS).
+    """
+    if settings["num_beams"] != 1 or settings["num_return_sequences"] != 1:
+        raise ValueError(f"greedy_thorough_parts decodes greedily, one answer: got {settings}")
+    check_generation(cfg, context_input_ids, context_attention_mask, settings)
+    return _greedy_thorough_parts(
+        cfg, params, context_input_ids, context_attention_mask, tuple(sorted(settings.items()))
+    )
+
+
+@functools.partial(jax.jit, static_argnums=(0, 4))
+def _greedy_thorough_parts(cfg, params, context_input_ids, context_attention_mask, settings):
+    s = dict(settings)
+    n_docs = cfg.n_docs
+    batch = context_input_ids.shape[0] // n_docs
+    prompts = _Prompts(cfg, params, context_input_ids, context_attention_mask)
+    hyps, _ = _search(cfg, params, prompts, s, outer=batch * n_docs, inner=1)  # [B * N, 1, L + 1]
+    length = hyps.shape[-1] - 1
+    candidates = hyps[..., 1:].reshape(batch, n_docs, length)  # -> [B, M = N, L]
+    logits = _candidate_logits(cfg, params, prompts, candidates)  # -> [B * M * N, L, V]
+    targets = jnp.repeat(candidates.reshape(batch * n_docs, length), n_docs, axis=0)
+    token_lp, _ = rag_math.token_logprobs(logits[:, None], targets)  # -> [B * M * N, 1, L]
+    return _padded(cfg, candidates), token_lp.reshape(batch, n_docs, n_docs, length)
 
 
 def generate(

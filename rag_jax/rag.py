@@ -496,19 +496,7 @@ def generate(
         )
     resolved = generation.resolve_settings(cfg, settings)
     if cfg.causal:
-        causal.check_prompts(context_attention_mask)
-        longest = context_input_ids.shape[1] + resolved["max_length"]
-        if longest > cfg.generator.max_position_embeddings:
-            raise ValueError(
-                f"prompts of {context_input_ids.shape[1]} tokens and max_length="
-                f"{resolved['max_length']} new tokens exceed the generator's "
-                f"max_position_embeddings={cfg.generator.max_position_embeddings}"
-            )
-        if resolved["no_repeat_ngram_size"]:
-            raise ValueError(
-                "no_repeat_ngram_size is not supported with a causal generator (HF counts the "
-                "prompt's n-grams too)"
-            )
+        causal.check_generation(cfg, context_input_ids, context_attention_mask, resolved)
     if variant == "sequence" and sequence_decoding == "fast" and resolved["num_beams"] == 1:
         raise ValueError("fast decoding needs num_beams > 1")
     return _generate_jit(

@@ -162,23 +162,19 @@ def evaluate(
                 if mask[r]
             ]
     if memos is not None:
-        for m in memos[:2]:
-            m.save()
+        memos[0].save()
     return metrics.reduce_metrics(totals), predictions
 
 
 def _memos(exp, rag_cfg, variant: str, params) -> tuple:
-    """(answer memo, greedy-answer memo, generator parameters on the host) of the generator
-    `params` holds (`config.eval.answer_memo`), checked: what `memo_decoding` computes, on one
-    process."""
+    """(greedy-answer memo, generator parameters on the host) of the generator `params` holds
+    (`config.eval.answer_memo`), checked: what `memo_decoding` computes, on one process."""
     memo_decoding.check_supported(rag_cfg, variant, exp.config.eval.sequence_decoding)
     if jax.process_count() > 1:
         raise ValueError("config.eval.answer_memo evaluates on one process")
     generator = jax.device_get(params["generator"])
-    directory = memo_directory(exp)
-    answers = memo.AnswerMemo(rag_cfg, generator, exp.generator_tokenizer, directory)
-    greedy = memo_decoding.GreedyMemo(rag_cfg, answers.fingerprint, directory)
-    return answers, greedy, generator
+    fingerprint = memo.fingerprint(rag_cfg, generator, exp.generator_tokenizer)
+    return memo_decoding.GreedyMemo(rag_cfg, fingerprint, memo_directory(exp)), generator
 
 
 @functools.cache

@@ -4,15 +4,16 @@ A frozen generator's greedy answer after one prompt (a passage and the question)
 nor does the log-probability of any answer after it. RAG-Sequence thorough decoding with one
 beam (`rag.generate`, variant "sequence") is a function of three things: the greedy candidate
 of each of a question's N prompts, the log-probability of every candidate after every prompt,
-and the doc scores. `GreedyMemo` keeps the first, `training.memo.AnswerMemo` the second (the
-memo the joint step reads), and `sequence_answers` combines them with the doc scores by the
-arithmetic of `rag.generate`'s rescoring (`rag_math.nll_from_token_logprobs`, repeated
-candidates dropped, the best kept, ties to the first). Evaluations that share a frozen
-generator (the rows and seeds of a study, its hot swap) then pay one generator pass per prompt
-none of them has seen; a question whose passages are all known costs no generator pass. The
-values are the generator's own, computed a few prompts at a time rather than a question's N at
-once, so an answer may differ from `rag.generate`'s only where two candidates' likelihoods tie
-to float32 rounding.
+and the doc scores. `GreedyMemo` keeps the first two and `sequence_answers` combines them with
+the doc scores by the arithmetic of `rag.generate`'s rescoring (`rag_math.nll_from_token_logprobs`,
+repeated candidates dropped, the best kept, ties to the first). A question any of whose values
+is not held yet runs through the generator as `rag.generate` runs it
+(`causal.greedy_thorough_parts`: each prompt's keys and values computed once, for its greedy
+answer and for scoring every candidate of the question after it), a few questions at a time;
+evaluations that share a frozen generator (the rows and seeds of a study, its hot swap) then pay
+nothing for a question whose prompts and candidates are all known. The values are the
+generator's own, computed for fewer questions at a time than `rag.generate` is given, so an
+answer may differ from its answer only where two candidates' likelihoods tie to float32 rounding.
 
 Legend: B questions, N docs, S prompt length, L answer length, E prompts.
 """
@@ -23,10 +24,10 @@ import pathlib
 
 import numpy as np
 
-from rag_jax import causal, generation, rag, rag_math, sequence_candidates
+from rag_jax import causal, generation, rag_math, sequence_candidates
 from rag_jax.training import memo
 
-CHUNK = 8  # prompts per greedy call: one compiled program per prompt width
+CHUNK = 8  # prompts per generator call (whole questions): one program per prompt width
 
 
 def check_supported(rag_cfg, variant: str, sequence_decoding: str) -> None:
@@ -52,13 +53,30 @@ def check_supported(rag_cfg, variant: str, sequence_decoding: str) -> None:
         raise ValueError("config.eval.answer_memo needs " + "; ".join(problems))
 
 
-class GreedyMemo(memo.MemoFile):
-    """Greedy answers of prompts under one frozen causal generator and decoding settings.
+class _CandidateScores(memo.MemoFile):
+    """Answer-token log-probabilities of (prompt, candidate) pairs (`GreedyMemo.scores`)."""
 
-    `candidates(...)` returns them, generating those of prompts it has not seen; `save()` writes
-    the memo atomically to `<directory>/<fingerprint>.greedy.npz`, named by and holding the
-    fingerprint of the generator, its tokenizer and the decoding settings (another's is never
-    read).
+    what = "candidate scores of generator/settings"
+    dtype = np.float32
+
+
+def _prompt_key(ids: np.ndarray, mask: np.ndarray) -> bytes:
+    return hashlib.sha1(ids[mask == 1].astype(np.int32).tobytes()).digest()
+
+
+def _pair_key(prompt: bytes, candidate: np.ndarray) -> bytes:
+    return hashlib.sha1(prompt + b"|" + candidate.astype(np.int32).tobytes()).digest()
+
+
+class GreedyMemo(memo.MemoFile):
+    """Greedy answers of prompts, and every candidate's log-probability after every prompt of
+    its question, under one frozen causal generator and decoding settings.
+
+    `fill(...)` computes what a batch of questions lacks; `save()` writes both memos
+    atomically to `<directory>/<fingerprint>.greedy.npz` and `.scores.npz`, named by and holding
+    the fingerprint of the generator, its tokenizer and the decoding settings (another's is
+    never read). `computed` / `reused` count prompts run through the generator / answered from
+    the memo.
     """
 
     what = "greedy answers of generator/settings"
@@ -66,57 +84,92 @@ class GreedyMemo(memo.MemoFile):
 
     def __init__(self, rag_cfg, generator_fingerprint: str, directory):
         """`generator_fingerprint`: `training.memo.fingerprint` of the generator and its
-        tokenizer (the answer memo's, `AnswerMemo.fingerprint`)."""
-        self.cfg = rag_cfg.replace(n_docs=1)
-        key = {
-            "generator": generator_fingerprint,
-            "settings": generation.resolve_settings(rag_cfg, {}),
-        }
+        tokenizer."""
+        self.cfg = rag_cfg
+        self.settings = generation.resolve_settings(rag_cfg, {})
+        key = {"generator": generator_fingerprint, "settings": self.settings}
         text = json.dumps(key, sort_keys=True, default=list)
         fp = hashlib.sha256(text.encode()).hexdigest()[:16]
         super().__init__(pathlib.Path(directory) / f"{fp}.greedy.npz", fp)
+        self.scores = _CandidateScores(pathlib.Path(directory) / f"{fp}.scores.npz", fp)
 
-    def candidates(self, generator_params, context_ids, context_mask) -> np.ndarray:
-        """[E, L] int32 greedy answers (padded after EOS) of E prompts [E, S], right- or
-        left-padded, as `rag.generate` writes them."""
-        context_ids, context_mask = np.asarray(context_ids), np.asarray(context_mask)
-        keys = [
-            hashlib.sha1(context_ids[r][context_mask[r] == 1].astype(np.int32).tobytes()).digest()
-            for r in range(len(context_ids))
-        ]
-        missing = self._missing(keys)
-        for start in range(0, len(missing), CHUNK):
-            chunk = missing[start : start + CHUNK]
-            take = chunk + [chunk[0]] * (CHUNK - len(chunk))  # padded with copies of its first
-            tokens = rag.generate(
-                self.cfg,
+    def save(self) -> None:
+        super().save()
+        self.scores.save()
+
+    def _held(self, prompts: list[bytes]) -> bool:
+        """Whether a question's prompts' greedy answers and every candidate's scores after
+        every prompt are all held."""
+        if any(p not in self.values for p in prompts):
+            return False
+        found = [self.values[p] for p in prompts]
+        return all(_pair_key(p, c) in self.scores.values for p in prompts for c in found)
+
+    def fill(self, generator_params, context_ids, context_mask, n_docs: int) -> list[bytes]:
+        """Runs the generator on the questions of a batch whose values are not all held; returns
+        the prompts' keys.
+
+        Args:
+          generator_params: the frozen generator's parameters (those of the fingerprint).
+          context_ids: [B * N, S] prompts, row b * N + n, right- or left-padded.
+          context_mask: [B * N, S].
+          n_docs: N.
+        """
+        keys = [_prompt_key(i, m) for i, m in zip(context_ids, context_mask, strict=True)]
+        questions = len(keys) // n_docs
+        rows = lambda b: range(b * n_docs, (b + 1) * n_docs)  # noqa: E731
+        todo = [b for b in range(questions) if not self._held([keys[r] for r in rows(b)])]
+        per_call = max(1, CHUNK // n_docs)
+        cfg = self.cfg.replace(n_docs=n_docs)
+        for start in range(0, len(todo), per_call):
+            chunk = todo[start : start + per_call]
+            take = chunk + [chunk[0]] * (per_call - len(chunk))  # padded with copies of its first
+            flat = [r for b in take for r in rows(b)]
+            found, token_lp = causal.greedy_thorough_parts(
+                cfg,
                 {"generator": generator_params},
-                context_ids[take],
-                context_mask[take],
-                np.zeros((CHUNK, 1), np.float32),
-                variant="sequence",
-                sequence_decoding="thorough",
+                context_ids[flat],
+                context_mask[flat],
+                self.settings,
             )
-            tokens = np.asarray(tokens, np.int32)
-            for i, r in enumerate(chunk):
-                self.values[keys[r]] = tokens[i]
+            found, token_lp = np.asarray(found, np.int32), np.asarray(token_lp, np.float32)
+            g = cfg.generator
+            scored = np.asarray(causal.label_mask(found, g.eos_token_id, cfg.pad_token_id))
+            for i, b in enumerate(chunk):
+                prompts = [keys[r] for r in rows(b)]
+                for n, p in enumerate(prompts):
+                    self._store(p, found[i, n])
+                for m, n in np.ndindex(n_docs, n_docs):
+                    pair = _pair_key(prompts[n], found[i, m])
+                    self.scores._store(pair, token_lp[i, m, n][scored[i, m]])
+        self.computed += len(todo) * n_docs
+        self.reused += (questions - len(todo)) * n_docs
+        return keys
+
+    def answers(self, keys: list[bytes]) -> np.ndarray:
+        """[E, L] the held greedy answers of prompts by key."""
         return np.stack([self.values[k] for k in keys])
 
+    def candidate_logprobs(self, keys: list[bytes], n_docs: int) -> np.ndarray:
+        """[B * M, N, L] float32 the held log-probability of candidate m (the greedy answer of
+        prompt (b, m)) after prompt (b, n), 0 where not scored."""
+        found = self.answers(keys)
+        g = self.cfg.generator
+        scored = np.asarray(causal.label_mask(found, g.eos_token_id, self.cfg.pad_token_id))
+        questions, length = len(keys) // n_docs, found.shape[-1]
+        out = np.zeros((questions, n_docs, n_docs, length), np.float32)
+        for b, m, n in np.ndindex(questions, n_docs, n_docs):
+            c = b * n_docs + m
+            out[b, m, n, scored[c]] = self.scores.values[_pair_key(keys[b * n_docs + n], found[c])]
+        return out.reshape(questions * n_docs, n_docs, length)
 
-def sequence_answers(
-    answers: memo.AnswerMemo,
-    greedy: GreedyMemo,
-    generator_params,
-    context_ids,
-    context_mask,
-    doc_scores,
-) -> np.ndarray:
+
+def sequence_answers(greedy: GreedyMemo, generator_params, context_ids, context_mask, doc_scores):
     """[B, L] RAG-Sequence thorough greedy answers, as `rag.generate(variant="sequence")` returns
     them for the same prompts and doc scores (module doc).
 
     Args:
-      answers: the frozen generator's answer log-probability memo.
-      greedy: its greedy-answer memo (the same generator and tokenizer).
+      greedy: the frozen generator's greedy-answer memo.
       generator_params: the frozen generator's parameters.
       context_ids: [B * N, S] prompts, row b * N + n.
       context_mask: [B * N, S].
@@ -125,19 +178,10 @@ def sequence_answers(
     doc_scores = np.asarray(doc_scores, np.float32)
     batch, n_docs = doc_scores.shape
     context_ids, context_mask = np.asarray(context_ids), np.asarray(context_mask)
-    found = greedy.candidates(generator_params, context_ids, context_mask)  # -> [B * N, L]
+    keys = greedy.fill(generator_params, context_ids, context_mask, n_docs)
+    found = greedy.answers(keys)  # -> [B * N, L]
     candidates = found.reshape(batch, n_docs, -1)  # one candidate per doc: -> [B, M = N, L]
-    # Every candidate after every prompt of its question: row (b, m) holds candidate m, its
-    # prompts those of question b.
-    per_candidate = np.repeat(context_ids.reshape(batch, 1, n_docs, -1), n_docs, axis=1)
-    per_mask = np.repeat(context_mask.reshape(batch, 1, n_docs, -1), n_docs, axis=1)
-    width = context_ids.shape[-1]
-    logprobs = answers.logprobs(
-        generator_params,
-        per_candidate.reshape(-1, width),
-        per_mask.reshape(-1, width),
-        found,  # the labels of rows (b, m): candidate m of question b
-    )  # -> [B * M, N, L]
+    logprobs = greedy.candidate_logprobs(keys, n_docs)  # -> [B * M, N, L]
     g = greedy.cfg.generator
     scored = causal.label_mask(found, g.eos_token_id, greedy.cfg.pad_token_id)
     nll = rag_math.nll_from_token_logprobs(

@@ -64,7 +64,7 @@ def pair_logprobs(rag_cfg, generator_params, context_ids, context_mask, labels) 
 
 class MemoFile:
     """1-D arrays by 20-byte key, kept in one `.npz` file named by and holding a fingerprint:
-    the file handling `AnswerMemo` and `run.memo_decoding.GreedyMemo` share.
+    the file handling `AnswerMemo` and `run.memo_decoding.GreedyMemo` (and its scores) share.
 
     Read at construction (a file of another fingerprint is refused, named); `save()` writes it
     atomically, merged with what another memo object or process wrote to it meanwhile.
@@ -123,6 +123,12 @@ class MemoFile:
         np.savez(buffer, **arrays)
         files.write_atomic(self.path, buffer.getvalue())
         self._unsaved = 0
+
+    def _store(self, key: bytes, value: np.ndarray) -> None:
+        """Holds `value` under `key` unless a value is held there already."""
+        if key not in self.values:
+            self.values[key] = np.asarray(value, self.dtype)
+            self._unsaved += 1
 
     def _missing(self, keys: list[bytes]) -> list[int]:
         """The rows of `keys` to compute: each key not held yet, at its first row; counts them."""

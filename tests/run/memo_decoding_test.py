@@ -38,74 +38,89 @@ def _prompts(seed=0):
     return ids.astype(np.int32), mask, scores
 
 
-def _memos(cfg, params, directory, tokenizer=None):
-    answers = memo.AnswerMemo(cfg, params["generator"], tokenizer or _tokenizer(), directory)
-    return answers, memo_decoding.GreedyMemo(cfg, answers.fingerprint, directory)
+def _memo(cfg, params, directory, tokenizer=None):
+    fingerprint = memo.fingerprint(cfg, params["generator"], tokenizer or _tokenizer())
+    return memo_decoding.GreedyMemo(cfg, fingerprint, directory)
+
+
+def _generate(cfg, params, ids, mask, scores):
+    return np.asarray(
+        rag.generate(
+            cfg, params, ids, mask, scores, variant="sequence", sequence_decoding="thorough"
+        )
+    )
 
 
 def test_the_answers_are_rag_generates(tmp_path):
     cfg, params = _greedy_cfg()
     ids, mask, scores = _prompts()
-    expected = np.asarray(
-        rag.generate(
-            cfg, params, ids, mask, scores, variant="sequence", sequence_decoding="thorough"
-        )
-    )
-    answers, greedy = _memos(cfg, params, tmp_path)
-    got = memo_decoding.sequence_answers(answers, greedy, params["generator"], ids, mask, scores)
-    np.testing.assert_array_equal(got, expected)
+    greedy = _memo(cfg, params, tmp_path)
+    got = memo_decoding.sequence_answers(greedy, params["generator"], ids, mask, scores)
+    np.testing.assert_array_equal(got, _generate(cfg, params, ids, mask, scores))
     # The doc scores decide: some question's answer is not its top doc's own greedy answer.
-    own = greedy.candidates(params["generator"], ids, mask).reshape(B, N, -1)
+    own = greedy.answers(greedy.fill(params["generator"], ids, mask, N)).reshape(B, N, -1)
     top_doc = own[np.arange(B), np.argmax(scores, axis=1)]
     assert (got != top_doc).any(axis=1).any()
-    # Each distinct prompt generated once; each distinct (prompt, candidate) scored once.
-    distinct = len({(tuple(i[m == 1])) for i, m in zip(ids, mask, strict=True)})
-    assert greedy.computed == distinct and greedy.reused == 2 * B * N - distinct
+    # Each distinct prompt's greedy answer held once; each distinct (prompt, candidate) once.
+    prompts = {tuple(i[m == 1]) for i, m in zip(ids, mask, strict=True)}
+    assert len(greedy) == len(prompts)
+    pairs = {
+        (tuple(ids[b * N + n][mask[b * N + n] == 1]), tuple(own[b, m]))
+        for b, m, n in np.ndindex(B, N, N)
+    }
+    assert len(greedy.scores) == len(pairs)
+    # The first call ran every question (each holds a prompt not seen before); the second
+    # (above) none.
+    assert greedy.computed == B * N and greedy.reused == B * N
     # Other doc scores: the same prompts' work, nothing computed again.
-    computed = answers.computed
     flipped = -scores
-    again = memo_decoding.sequence_answers(answers, greedy, params["generator"], ids, mask, flipped)
-    assert answers.computed == computed and greedy.computed == distinct
-    np.testing.assert_array_equal(
-        again,
-        rag.generate(
-            cfg, params, ids, mask, flipped, variant="sequence", sequence_decoding="thorough"
-        ),
+    again = memo_decoding.sequence_answers(greedy, params["generator"], ids, mask, flipped)
+    assert greedy.computed == B * N
+    np.testing.assert_array_equal(again, _generate(cfg, params, ids, mask, flipped))
+    # A question made of prompts seen in other questions: its candidates were never scored
+    # after each other's prompts, so it runs; then it is answered from the memo.
+    mixed = (
+        np.concatenate([ids[[0, 3, 6]], ids[[0, 4, 8]]]),
+        np.concatenate([mask[[0, 3, 6]], mask[[0, 4, 8]]]),
     )
+    mixed_scores = scores[:2]
+    got = memo_decoding.sequence_answers(greedy, params["generator"], *mixed, mixed_scores)
+    np.testing.assert_array_equal(got, _generate(cfg, params, *mixed, mixed_scores))
+    assert greedy.computed == B * N + 2 * N
 
 
 def test_saved_memos_are_read_back_and_merged_and_another_settings_memo_is_not(tmp_path):
     cfg, params = _greedy_cfg()
     ids, mask, scores = _prompts()
-    answers, greedy = _memos(cfg, params, tmp_path)
-    first = memo_decoding.sequence_answers(answers, greedy, params["generator"], ids, mask, scores)
+    greedy = _memo(cfg, params, tmp_path)
+    first = memo_decoding.sequence_answers(greedy, params["generator"], ids, mask, scores)
     # A second memo object on the same file, written meanwhile, is merged, not overwritten.
     other_ids, other_mask, _ = _prompts(seed=1)
-    known = len(greedy)
-    _, beside = _memos(cfg, params, tmp_path)
-    beside.candidates(params["generator"], other_ids[[0, 2]], other_mask[[0, 2]])  # 2 new
+    known, known_scores = len(greedy), len(greedy.scores)
+    beside = _memo(cfg, params, tmp_path)
+    beside.fill(params["generator"], other_ids[:N], other_mask[:N], N)  # one new question
     beside.save()
     greedy.save()
-    answers.save()
-    answers, reread = _memos(cfg, params, tmp_path)
-    assert len(reread) == known + 2
-    again = memo_decoding.sequence_answers(answers, reread, params["generator"], ids, mask, scores)
+    reread = _memo(cfg, params, tmp_path)
+    assert len(reread) == len(greedy.values.keys() | beside.values.keys()) > known
+    merged = greedy.scores.values.keys() | beside.scores.values.keys()
+    assert len(reread.scores) == len(merged) > known_scores
+    again = memo_decoding.sequence_answers(reread, params["generator"], ids, mask, scores)
     np.testing.assert_array_equal(again, first)
-    assert reread.computed == 0 and answers.computed == 0
-    # Other decoding settings: another file, none of these answers read.
+    assert reread.computed == 0
+    # Other decoding settings: other files, none of these answers read.
     longer, _ = _greedy_cfg(max_length=7)
-    _, elsewhere = _memos(longer, params, tmp_path)
-    assert elsewhere.path != greedy.path and len(elsewhere) == 0
+    elsewhere = _memo(longer, params, tmp_path)
+    assert elsewhere.path != greedy.path and len(elsewhere) == len(elsewhere.scores) == 0
     # A file of another fingerprint under this one's name is refused, named.
-    reread.path.write_bytes(_elsewhere_bytes(elsewhere, params, ids, mask))
+    elsewhere.fill(params["generator"], ids[:N], mask[:N], N)
+    elsewhere.save()
+    reread.path.write_bytes(elsewhere.path.read_bytes())
     with pytest.raises(ValueError, match="not read"):
-        _memos(cfg, params, tmp_path)
-
-
-def _elsewhere_bytes(greedy, params, ids, mask) -> bytes:
-    greedy.candidates(params["generator"], ids[:1], mask[:1])
-    greedy.save()
-    return greedy.path.read_bytes()
+        _memo(cfg, params, tmp_path)
+    reread.path.write_bytes(b"")  # unreadable: refused, named
+    with pytest.raises(ValueError, match="unreadable"):
+        _memo(cfg, params, tmp_path)
 
 
 def test_what_it_does_not_compute_is_refused():
