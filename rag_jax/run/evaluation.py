@@ -71,7 +71,10 @@ def evaluate(
     With `config.eval.answer_examples` = n below the number of examples, the retrieval recalls
     are over all of them (only the question tower runs) and the answers (EM/F1, predictions)
     over a fixed seeded sample of n (`eval.answer_seed`); the metrics then say both counts.
-    `generate=False` computes the retrieval recalls only.
+    `generate=False` computes the retrieval recalls only. Recalls computed alone (with
+    `generate=False` or an answer sample) are at every k of `ks`, retrieving more passages than
+    the generator reads where a k exceeds `eval.n_docs`; those of a call that answers every
+    question come from the passages it reads (k up to `eval.n_docs`).
 
     On several hosts every process calls this with the same `examples`: each retrieves and feeds
     its block of every batch, the generated tokens and retrieved ids of all blocks are gathered
@@ -99,7 +102,10 @@ def evaluate(
         examples = [examples[i] for i in sample]
     rag_cfg = eval_rag_config(exp.rag_cfg, c)
     if not isinstance(retriever, ClosedBook):
-        retriever = retriever.with_n_docs(rag_cfg.n_docs)
+        # Recalls alone (only the question tower runs) reach every k asked, beyond the passages
+        # the generator reads.
+        depth = rag_cfg.n_docs if generate else max(rag_cfg.n_docs, *ks)
+        retriever = retriever.with_n_docs(depth)
     batch_size = c.eval.batch_size
     sharding.check_batch_divisible(batch_size, mesh.size, "eval batch")
     batcher = Batcher(exp, mesh)
@@ -107,7 +113,7 @@ def evaluate(
     mine = slice(batcher.block * local, (batcher.block + 1) * local)
     gen = generate_fn(rag_cfg, variant, c.eval.sequence_decoding)
     memos = _memos(exp, rag_cfg, variant, params) if generate and c.eval.answer_memo else None
-    ks = [k for k in ks if k <= rag_cfg.n_docs]
+    ks = [k for k in ks if not generate or k <= rag_cfg.n_docs]
     totals, predictions = {}, []
     for idx, mask in data.eval_batches(len(examples), batch_size):
         batch_examples = [examples[i] for i in idx]

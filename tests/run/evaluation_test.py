@@ -52,6 +52,26 @@ def test_eval_n_docs_retrieves_the_top_k_of_a_brute_force_search(exp):
     assert 0.0 <= metrics["exact_match"] <= 1.0
 
 
+def test_recalls_alone_reach_beyond_the_passages_the_generator_reads(exp):
+    """Recall@k for a k above eval.n_docs, when only the question tower runs: the top k of the
+    same search (recall@k never falls as k grows, and equals the deeper search's own)."""
+    mesh = sharding.data_mesh(jax.devices()[:1])
+    examples = exp.eval[:16]
+    exp.config.eval.n_docs = 2  # the generator would read 2
+    try:
+        shallow, _ = evaluation.evaluate(
+            exp, exp.params, examples, mesh=mesh, variant="sequence", ks=(1, 2, 5), generate=False
+        )
+    finally:
+        exp.config.eval.n_docs = 0
+    deep, _ = evaluation.evaluate(
+        exp, exp.params, examples, mesh=mesh, variant="sequence", ks=(1, 2, 5), generate=False
+    )  # eval.n_docs = rag.n_docs = 5
+    assert set(shallow) >= {"gold_recall@5", "answer_recall@5"}
+    assert shallow == deep
+    assert shallow["gold_recall@1"] <= shallow["gold_recall@2"] <= shallow["gold_recall@5"]
+
+
 def test_eval_n_docs_defaults_to_the_training_k(exp):
     cfg = evaluation.eval_rag_config(exp.rag_cfg, exp.config)
     assert cfg.n_docs == exp.config.rag.n_docs == 5
