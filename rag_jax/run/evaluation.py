@@ -108,7 +108,7 @@ def evaluate(
         retriever = retriever.with_n_docs(depth)
     batch_size = c.eval.batch_size
     sharding.check_batch_divisible(batch_size, mesh.size, "eval batch")
-    batcher = Batcher(exp, mesh)
+    batcher = Batcher(exp, mesh, train=False)  # the training memo is not read here
     local = batch_size // batcher.blocks  # rows of each batch this process retrieves for
     mine = slice(batcher.block * local, (batcher.block + 1) * local)
     gen = generate_fn(rag_cfg, variant, c.eval.sequence_decoding)

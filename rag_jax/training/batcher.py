@@ -102,16 +102,19 @@ class Batcher:
     that spans the pod; `distributed.shard_batch` then joins the blocks.
     """
 
-    def __init__(self, exp, mesh):
+    def __init__(self, exp, mesh, train: bool = True):
         """Args:
         exp: the `experiment.Experiment` (config, tokenizers, store, training examples).
         mesh: the `data` mesh batches are sharded over.
+        train: whether it makes training batches (with `train.answer_memo`, it then reads the
+          answer memo); an evaluation's batcher only retrieves and assembles contexts.
         """
         self.exp, self.mesh = exp, mesh
         self.block, self.blocks = distributed.process_block(mesh)
         self.embed = jax.jit(functools.partial(rag.question_embeddings, exp.rag_cfg))
         self._prepared: dict[int, tuple] = {}  # step -> its parameter-free host work
-        self.memo = answer_memo(exp, mesh) if exp.config.train.answer_memo else None
+        memoised = train and exp.config.train.answer_memo
+        self.memo = answer_memo(exp, mesh) if memoised else None
 
     def save_memo(self) -> None:
         """Writes the answer memo's new pairs (`train.answer_memo`; nothing without one)."""
