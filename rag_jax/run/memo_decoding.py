@@ -119,11 +119,8 @@ class GreedyMemo(memo.MemoFile):
         questions = len(keys) // n_docs
         rows = lambda b: range(b * n_docs, (b + 1) * n_docs)  # noqa: E731
         todo = [b for b in range(questions) if not self._held([keys[r] for r in rows(b)])]
-        per_call = max(1, CHUNK // n_docs)
         cfg = self.cfg.replace(n_docs=n_docs)
-        for start in range(0, len(todo), per_call):
-            chunk = todo[start : start + per_call]
-            take = chunk + [chunk[0]] * (per_call - len(chunk))  # padded with copies of its first
+        for chunk, take in memo.calls(todo, max(1, CHUNK // n_docs)):
             flat = [r for b in take for r in rows(b)]
             found, token_lp = causal.greedy_thorough_parts(
                 cfg,

@@ -34,6 +34,16 @@ from rag_jax.retrieval.tokenizer_id import tokenizer_fingerprint
 CHUNK = 8  # pairs per generator call: one compiled program per (prompt width, answer width)
 
 
+def calls(todo: list, size: int):
+    """`todo` in calls of at most `size` items: (the items, the items a call computes). A last
+    short call is padded with copies of its first item up to a power of two only (a step whose
+    few new pairs are 1 of 8 computes 1, not 8), so at most log2(size) + 1 programs per shape."""
+    for start in range(0, len(todo), size):
+        chunk = todo[start : start + size]
+        width = min(size, 1 << (len(chunk) - 1).bit_length())
+        yield chunk, chunk + [chunk[0]] * (width - len(chunk))
+
+
 def fingerprint(rag_cfg, generator_params, tokenizer) -> str:
     """The generator's and tokenizer's fingerprint, which names and guards a memo."""
     key = {
@@ -194,9 +204,7 @@ class AnswerMemo(MemoFile):
             for r, b in enumerate(rows)
         ]
         missing = self._missing(keys)
-        for start in range(0, len(missing), CHUNK):
-            chunk = missing[start : start + CHUNK]
-            take = chunk + [chunk[0]] * (CHUNK - len(chunk))  # padded with copies of its first
+        for chunk, take in calls(missing, CHUNK):
             values = np.asarray(
                 pair_logprobs(
                     self.cfg,

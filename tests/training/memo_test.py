@@ -94,8 +94,22 @@ def test_pairs_are_computed_once_and_read_back_exactly(tmp_path):
     changed = dict(
         batch, labels=batch["labels"].at[0, 0].set(5 if batch["labels"][0, 0] != 5 else 6)
     )
-    _memo_batch(cfg, params, changed, reread)
-    assert reread.computed == N  # question 0's N prompts with its new answer
+    partly = _memo_batch(cfg, params, changed, reread)["answer_logprobs"]
+    assert reread.computed == N  # question 0's N prompts with its new answer, in a call of 4
+    # Computed in a call of 4 or of 8 (as with another prompt width), within float32 rounding.
+    whole = memo.AnswerMemo(cfg, params["generator"], tok, tmp_path / "whole")
+    np.testing.assert_allclose(
+        partly, _memo_batch(cfg, params, changed, whole)["answer_logprobs"], rtol=1e-5
+    )
+
+
+def test_calls_pad_a_short_last_call_to_a_power_of_two_only():
+    assert list(memo.calls([], 8)) == []
+    assert list(memo.calls([5], 8)) == [([5], [5])]
+    assert list(memo.calls([1, 2, 3], 8)) == [([1, 2, 3], [1, 2, 3, 1])]
+    got = list(memo.calls(list(range(11)), 4))
+    assert got == [([0, 1, 2, 3],) * 2, ([4, 5, 6, 7],) * 2, ([8, 9, 10], [8, 9, 10, 8])]
+    assert list(memo.calls(list(range(5)), 6)) == [([0, 1, 2, 3, 4], [0, 1, 2, 3, 4, 0])]
 
 
 def test_a_memo_of_another_generator_or_tokenizer_is_never_read(tmp_path):
