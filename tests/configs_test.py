@@ -218,6 +218,23 @@ def test_a_fixed_generator_encoder_must_be_frozen_whole_below_its_cut():
         validation.check_frozen_encoder("", cfg, 2)
 
 
+def test_an_evaluation_the_answer_memo_cannot_decode_is_refused_at_start_up(monkeypatch):
+    """squad_llama's RAG-Token row needs `eval.answer_memo=False`: refused before training, not
+    by its evaluation after it."""
+    monkeypatch.setattr(validation, "_check_paths", lambda config: None)
+    validation.validate(load_config("squad_llama"), num_devices=1)
+    for key, value in (
+        ("rag.variant", "token"),
+        ("eval.sequence_decoding", "fast"),
+        ("eval.num_beams", 4),
+        ("rag.label_smoothing", 0.1),
+    ):
+        changed = settings.override(load_config("squad_llama"), {key: value})
+        with pytest.raises(ValueError, match=rf"answer_memo .* but config\.{key}={value!r}; set"):
+            validation.validate(changed, num_devices=1)
+        validation.validate(settings.override(changed, {"eval.answer_memo": False}), 1)
+
+
 def test_split_by_title_holds_out_whole_articles():
     titles = {f"{t}_{i}": t for t in "ABCDE" for i in range(2)}
     examples = [

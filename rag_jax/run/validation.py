@@ -233,6 +233,29 @@ def _check_paths(config: ml_collections.ConfigDict) -> None:
             ) from None
 
 
+def _check_answer_memo(config: ml_collections.ConfigDict) -> None:
+    """`eval.answer_memo` decodes what `run.memo_decoding` memoises; refused at start-up, not
+    after training (the causal generator is checked when the memo is built)."""
+    if not (config.eval.enabled and config.eval.answer_memo):
+        return
+    wrong = [
+        f"config.{key}={value!r}"
+        for key, value, right in (
+            ("rag.variant", config.rag.variant, "sequence"),
+            ("eval.sequence_decoding", config.eval.sequence_decoding, "thorough"),
+            ("eval.num_beams", config.eval.num_beams, 1),
+            ("rag.label_smoothing", config.rag.label_smoothing, 0),
+        )
+        if value != right
+    ]
+    if wrong:
+        raise ValueError(
+            "config.eval.answer_memo memoises greedy RAG-Sequence thorough decoding without label "
+            f"smoothing, but {', '.join(wrong)}; set config.eval.answer_memo=False to decode "
+            "without it"
+        )
+
+
 def validate(config: ml_collections.ConfigDict, num_devices: int, *, paths: bool = True) -> None:
     """Start-up checks of invariants, each error naming the value and what would be right.
 
@@ -288,5 +311,6 @@ def validate(config: ml_collections.ConfigDict, num_devices: int, *, paths: bool
             f"config.eval.n_docs={config.eval.n_docs} but config.rag.closed_book retrieves "
             "nothing (one empty passage); use 0"
         )
+    _check_answer_memo(config)
     if paths:
         _check_paths(config)
