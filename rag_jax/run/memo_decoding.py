@@ -130,8 +130,7 @@ class GreedyMemo(memo.MemoFile):
                 self.settings,
             )
             found, token_lp = np.asarray(found, np.int32), np.asarray(token_lp, np.float32)
-            g = cfg.generator
-            scored = np.asarray(causal.label_mask(found, g.eos_token_id, cfg.pad_token_id))
+            scored = self.scored(found)
             for i, b in enumerate(chunk):
                 prompts = [keys[r] for r in rows(b)]
                 for n, p in enumerate(prompts):
@@ -143,6 +142,11 @@ class GreedyMemo(memo.MemoFile):
         self.reused += (questions - len(todo)) * n_docs
         return keys
 
+    def scored(self, answers: np.ndarray) -> np.ndarray:
+        """[..., L] bool: the scored tokens of greedy answers (through the first EOS)."""
+        g = self.cfg.generator
+        return np.asarray(causal.label_mask(answers, g.eos_token_id, self.cfg.pad_token_id))
+
     def answers(self, keys: list[bytes]) -> np.ndarray:
         """[E, L] the held greedy answers of prompts by key."""
         return np.stack([self.values[k] for k in keys])
@@ -151,8 +155,7 @@ class GreedyMemo(memo.MemoFile):
         """[B * M, N, L] float32 the held log-probability of candidate m (the greedy answer of
         prompt (b, m)) after prompt (b, n), 0 where not scored."""
         found = self.answers(keys)
-        g = self.cfg.generator
-        scored = np.asarray(causal.label_mask(found, g.eos_token_id, self.cfg.pad_token_id))
+        scored = self.scored(found)
         questions, length = len(keys) // n_docs, found.shape[-1]
         out = np.zeros((questions, n_docs, n_docs, length), np.float32)
         for b, m, n in np.ndindex(questions, n_docs, n_docs):
@@ -179,8 +182,7 @@ def sequence_answers(greedy: GreedyMemo, generator_params, context_ids, context_
     found = greedy.answers(keys)  # -> [B * N, L]
     candidates = found.reshape(batch, n_docs, -1)  # one candidate per doc: -> [B, M = N, L]
     logprobs = greedy.candidate_logprobs(keys, n_docs)  # -> [B * M, N, L]
-    g = greedy.cfg.generator
-    scored = causal.label_mask(found, g.eos_token_id, greedy.cfg.pad_token_id)
+    scored = greedy.scored(found)
     nll = rag_math.nll_from_token_logprobs(
         logprobs, np.repeat(doc_scores, n_docs, axis=0), scored, "sequence"
     ).reshape(batch, n_docs)
