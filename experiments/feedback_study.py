@@ -110,31 +110,43 @@ def hot_swap(workdir: pathlib.Path, fraction: float, seed: int) -> dict:
     return out
 
 
-def plot(results: dict, path: pathlib.Path) -> None:
-    """Held-out gold recall@5 and EM against the training step, one line per row (rows 2-4)."""
+def plot(results: dict, path: pathlib.Path) -> dict[str, dict[str, str]]:
+    """Held-out gold recall@5 and EM against the training step, one line per row (rows 2-4).
+
+    A row evaluated once (e.g. one where nothing trains, run for one step) is drawn as a dashed
+    level across the plot. Returns what was drawn: row -> metric -> "curve" or "level".
+    """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for name, row in results["rows"].items():
-        if name == "closed_book":
-            continue
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    rows = [(n, r) for n, r in results["rows"].items() if n != "closed_book"]
+    drawn = {}
+    for i, (name, row) in enumerate(rows):
+        color = colors[i % len(colors)]  # a row's colour on both plots
         for ax, key in zip(axes, ("gold_recall@5", "exact_match")):
             # The points that have the metric (`eval.every_answers=False`: recalls only).
             points = [(c["step"], c[key]) for c in row["curve"] if key in c]
-            if points:
-                ax.plot(*zip(*points, strict=True), marker=".", label=name)
+            if len(points) == 1:  # evaluated once (e.g. a row where nothing trains): its level
+                step, value = points[0]
+                ax.axhline(value, linestyle="--", color=color, label=f"{name} (step {step})")
+                drawn.setdefault(name, {})[key] = "level"
+            elif points:
+                ax.plot(*zip(*points, strict=True), marker=".", color=color, label=name)
+                drawn.setdefault(name, {})[key] = "curve"
     for ax, title in zip(axes, ("held-out gold-passage recall@5", "held-out exact match")):
         ax.set_title(title)
         ax.set_xlabel("training step")
-        ax.set_ylim(0, 1)
-        ax.grid(alpha=0.3)
-    axes[0].legend()
+        ax.grid(alpha=0.3)  # the axis fits the values, so that a point's gain shows
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+    return drawn
 
 
 def table(results: dict) -> str:

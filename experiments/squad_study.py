@@ -160,16 +160,18 @@ def main(argv=None):
     unknown = set(args.rows.split(",")) - set(ROWS)
     if unknown:
         parser.error(f"unknown rows {sorted(unknown)}; choose from {sorted(ROWS)}")
-    selected = {k: ROWS[k] for k in args.rows.split(",")}  # in the order asked
-    out = pathlib.Path(args.out).absolute()
-    seeds = [int(s) for s in args.seeds.split(",")]
     extra = {}
     for item in args.set:
         key, _, value = item.partition("=")
         extra[key] = json.loads(value)
+    # A row's recorded overrides include the --set ones: a row is kept on a later run only if
+    # it ran with the same settings, and its results say how it ran.
+    selected = {k: dict(ROWS[k], **extra) for k in args.rows.split(",")}  # in the order asked
+    out = pathlib.Path(args.out).absolute()
+    seeds = [int(s) for s in args.seeds.split(",")]
     for seed in seeds:
         config = CONFIGS[args.config].get_config(args.variant)
-        base = settings.override(config, dict(extra, seed=seed))
+        base = settings.override(config, {"seed": seed})
         base.retrieval.cache_dir = str(out / "index_cache")  # one encoding of the corpus
         results = feedback_study.run(
             base,

@@ -1,0 +1,27 @@
+"""The study's learning-curve plot: rows trained over steps are curves, rows evaluated once are
+levels, closed book is left out (it has no retrieval)."""
+
+import feedback_study
+
+
+def test_plot_draws_curves_and_levels(tmp_path):
+    results = {
+        "rows": {
+            "closed_book": {"curve": [{"step": 1, "exact_match": 0.01}]},
+            "frozen": {"curve": [{"step": 1, "gold_recall@5": 0.769, "exact_match": 0.212}]},
+            "joint": {
+                "curve": [
+                    {"step": 75, "gold_recall@5": 0.778, "exact_match": 0.216},
+                    {"step": 150, "gold_recall@5": 0.779},  # recalls only at this step
+                    {"step": 300, "gold_recall@5": 0.780, "exact_match": 0.220},
+                ]
+            },
+        }
+    }
+    path = tmp_path / "curves.png"
+    drawn = feedback_study.plot(results, path)
+    assert drawn == {
+        "frozen": {"gold_recall@5": "level", "exact_match": "level"},
+        "joint": {"gold_recall@5": "curve", "exact_match": "curve"},
+    }
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
