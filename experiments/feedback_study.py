@@ -113,8 +113,9 @@ def hot_swap(workdir: pathlib.Path, fraction: float, seed: int) -> dict:
 def plot(results: dict, path: pathlib.Path) -> dict[str, dict[str, str]]:
     """Held-out gold recall@5 and EM against the training step, one line per row (rows 2-4).
 
-    A row evaluated once (e.g. one where nothing trains, run for one step) is drawn as a dashed
-    level across the plot. Returns what was drawn: row -> metric -> "curve" or "level".
+    A row run for one step (one where nothing trains, so one step stands for any number) is
+    drawn as a level across the plot; a metric evaluated once at the end of a longer run, as one
+    point. Returns what was drawn: row -> metric -> "curve" (one point or more) or "level".
     """
     import matplotlib
 
@@ -130,9 +131,10 @@ def plot(results: dict, path: pathlib.Path) -> dict[str, dict[str, str]]:
         for ax, key in zip(axes, ("gold_recall@5", "exact_match")):
             # The points that have the metric (`eval.every_answers=False`: recalls only).
             points = [(c["step"], c[key]) for c in row["curve"] if key in c]
-            if len(points) == 1:  # evaluated once (e.g. a row where nothing trains): its level
+            if len(points) == 1 and points[0][0] <= 1:  # a one-step row: nothing trains in it
                 step, value = points[0]
-                ax.axhline(value, linestyle="--", color=color, label=f"{name} (step {step})")
+                style = ("--", ":", "-.")[len(ax.lines) % 3]  # equal levels stay apart
+                ax.axhline(value, linestyle=style, color=color, label=f"{name} (step {step})")
                 drawn.setdefault(name, {})[key] = "level"
             elif points:
                 ax.plot(*zip(*points, strict=True), marker=".", color=color, label=name)

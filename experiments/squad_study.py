@@ -1,6 +1,6 @@
 r"""The feedback loop on real text: does joint training beat a frozen retriever on SQuAD?
 
-    python experiments/squad_study.py --out /tmp/squad_study                 # 4 rows x 3 seeds
+    python experiments/squad_study.py --out /tmp/squad_study                 # every row x 3 seeds
     python experiments/squad_study.py --out /tmp/squad_quick --variant dev --seeds 0
     python experiments/squad_study.py --config squad_llama --out /tmp/llama_study
 
@@ -12,7 +12,8 @@ Every row is `experiments/configs/squad_open.py` (or `--config squad_llama`) wit
   2. frozen        MiniLM retrieves, frozen; the generator trains (bolt-on RAG; squad_llama's
                    generator is frozen in every row, so nothing trains in this one);
   3. joint         the question encoder trains through the RAG-Sequence likelihood;
-  4. joint_token   the same through RAG-Token (its evaluation decodes without the memos).
+  4. joint_token   the same through RAG-Token (its evaluation decodes without the memos);
+  -  frozen_token  row 2 trained and decoded as row 4 (RAG-Token): row 4's own baseline.
 Seeds vary the batches and dropout (`seed`), not the initial model (`init_seed`).
 
 Hot swap on real text, for rows 2-4: in the gold paragraphs of up to `--swap_questions` dev
@@ -63,6 +64,12 @@ ROWS = {
     "joint": {},
     # RAG-Token's answers depend on every passage's doc score at every token: not memoised.
     "joint_token": {"rag.variant": "token", "eval.answer_memo": False},
+    # Row 2 decoded as row 4 is: what joint training adds to RAG-Token, decoding held equal.
+    "frozen_token": {
+        "rag.variant": "token",
+        "eval.answer_memo": False,
+        "train.retriever_lr_factor": 0.0,
+    },
 }
 COLUMNS = ("answer_recall@1", "answer_recall@5", "gold_recall@5", "exact_match", "f1")
 

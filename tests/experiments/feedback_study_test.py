@@ -1,5 +1,5 @@
-"""The study's learning-curve plot: rows trained over steps are curves, rows evaluated once are
-levels, closed book is left out (it has no retrieval)."""
+"""The study's learning-curve plot: rows trained over steps are curves, one-step rows (nothing
+trains in them) are levels, closed book is left out (it has no retrieval)."""
 
 import feedback_study
 
@@ -16,6 +16,12 @@ def test_plot_draws_curves_and_levels(tmp_path):
                     {"step": 300, "gold_recall@5": 0.780, "exact_match": 0.220},
                 ]
             },
+            "joint_token": {  # EM at the end only: a point, not a level
+                "curve": [
+                    {"step": 75, "gold_recall@5": 0.778},
+                    {"step": 300, "gold_recall@5": 0.776, "exact_match": 0.208},
+                ]
+            },
         }
     }
     path = tmp_path / "curves.png"
@@ -23,5 +29,6 @@ def test_plot_draws_curves_and_levels(tmp_path):
     assert drawn == {
         "frozen": {"gold_recall@5": "level", "exact_match": "level"},
         "joint": {"gold_recall@5": "curve", "exact_match": "curve"},
+        "joint_token": {"gold_recall@5": "curve", "exact_match": "curve"},
     }
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
