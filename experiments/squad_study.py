@@ -149,6 +149,22 @@ def markdown(table: dict) -> str:
     return "\n".join(lines)
 
 
+def selected_rows(names: list[str], sets: list[str]) -> dict[str, dict]:
+    """Row name -> its overrides, in the order asked, each with the `--set key=value` ones (a JSON
+    value): a row is kept on a later run only if it ran with the same settings, and its
+    results say how it ran."""
+    extra = {}
+    for item in sets:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"--set {item!r}: expected key=value (a JSON value)")
+        try:
+            extra[key] = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--set {item!r}: the value is not JSON ({e})") from None
+    return {name: {**ROWS[name], **extra} for name in names}
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="folder for the runs and results")
@@ -167,13 +183,10 @@ def main(argv=None):
     unknown = set(args.rows.split(",")) - set(ROWS)
     if unknown:
         parser.error(f"unknown rows {sorted(unknown)}; choose from {sorted(ROWS)}")
-    extra = {}
-    for item in args.set:
-        key, _, value = item.partition("=")
-        extra[key] = json.loads(value)
-    # A row's recorded overrides include the --set ones: a row is kept on a later run only if
-    # it ran with the same settings, and its results say how it ran.
-    selected = {k: dict(ROWS[k], **extra) for k in args.rows.split(",")}  # in the order asked
+    try:
+        selected = selected_rows(args.rows.split(","), args.set)
+    except ValueError as e:
+        parser.error(str(e))
     out = pathlib.Path(args.out).absolute()
     seeds = [int(s) for s in args.seeds.split(",")]
     for seed in seeds:

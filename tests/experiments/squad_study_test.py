@@ -133,3 +133,23 @@ def test_memoised_evaluation_answers_as_the_generator_does(shared_data, tmp_path
     assert stamps == [
         (tmp_path / "cache" / "answer_memo" / n).stat().st_mtime_ns for n in memo_files
     ]
+
+
+def test_rows_carry_their_set_overrides():
+    rows = squad_study.selected_rows(
+        ["frozen_token", "joint"], ["train.steps=1", 'rag.prompt="chat"']
+    )
+    assert list(rows) == ["frozen_token", "joint"]  # the order asked
+    assert rows["joint"] == {"train.steps": 1, "rag.prompt": "chat"}
+    assert rows["frozen_token"] == {
+        "rag.variant": "token",
+        "eval.answer_memo": False,
+        "train.retriever_lr_factor": 0.0,
+        "train.steps": 1,
+        "rag.prompt": "chat",
+    }
+    assert squad_study.ROWS["joint"] == {}  # the table itself is not changed
+    with pytest.raises(ValueError, match="expected key=value"):
+        squad_study.selected_rows(["joint"], ["train.steps"])
+    with pytest.raises(ValueError, match="not JSON"):
+        squad_study.selected_rows(["joint"], ["rag.prompt=chat"])
