@@ -24,6 +24,9 @@ _PORT = flags.DEFINE_integer("port", 8000, "port to bind")
 _EDITS = flags.DEFINE_bool("allow_edits", False, "allow PUT / DELETE /v1/passages/{id}")
 _MAX_BATCH = flags.DEFINE_integer("max_batch", 16, "most questions per request and per call")
 _MAX_WAIT = flags.DEFINE_float("max_wait_ms", 3.0, "how long a request waits for others")
+_OVERLAP = flags.DEFINE_bool(
+    "overlap_calls", True, "a call holds at most half the questions queued or running"
+)
 _MAX_N_DOCS = flags.DEFINE_integer("max_n_docs", 0, "largest n_docs; 0 = the bundle's")
 _MAX_BEAMS = flags.DEFINE_integer("max_beams", 8, "largest num_beams a request may ask")
 _WARM = flags.DEFINE_multi_enum(
@@ -60,6 +63,7 @@ def main(argv):
             allow_edits=_EDITS.value,
             max_batch=_MAX_BATCH.value,
             max_wait_ms=_MAX_WAIT.value,
+            overlap_calls=_OVERLAP.value,
             max_n_docs=_MAX_N_DOCS.value,
             max_beams=_MAX_BEAMS.value,
             warm_variants=tuple(_WARM.value),

@@ -31,6 +31,9 @@ class ServerConfig:
     allow_edits: bool = False  # PUT / DELETE passages (403 otherwise)
     max_batch: int = 16  # the most questions in one request and in one merged call
     max_wait_ms: float = 3.0  # how long the oldest queued request waits for others to join
+    # A call holds at most half the questions recently queued or running (`batching.Batcher`'s
+    # `overlap`): on CPU, one call's host work and HTTP round trip hide under the other's model.
+    overlap_calls: bool = True
     max_n_docs: int = 0  # the largest n_docs a request may ask for; 0 = the bundle's n_docs
     max_beams: int = 8  # the largest num_beams a request may ask for
     warm_variants: tuple[str, ...] = ()  # variants compiled before ready; () = the bundle's

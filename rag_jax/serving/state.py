@@ -54,6 +54,7 @@ class ServerState:
             max_batch=config.max_batch,
             max_wait_s=config.max_wait_ms / 1e3,
             on_batch=self.metrics.batch,
+            overlap=config.overlap_calls,
         )
         # The trace count once every shape of the warmed settings is compiled (None before):
         # their traffic traces nothing more.

@@ -1,7 +1,7 @@
 """The dynamic batcher: concurrent requests merged into one call, settings kept apart, the
-largest call bounded, a failed call failing only the request at fault; its two stages as a
-pipeline: the next call prepared while the current one runs, preparations merged into one call,
-each stage one call at a time."""
+largest call bounded (with `overlap`, to half the questions in the batcher), a failed call
+failing only the request at fault; its two stages as a pipeline: the next call prepared while
+the current one runs, preparations merged into one call, each stage one call at a time."""
 
 import threading
 import time
@@ -273,3 +273,60 @@ def test_close_answers_what_is_queued():
     batcher.close()
     assert time.monotonic() - start < 5
     assert [f.result(0) for f in futures] == [[(f"q{i}", TOKEN)] for i in range(3)]
+
+
+def _closed_loop(batcher, clients: int, requests: int, questions: int = 1) -> list:
+    """`clients` threads, released together, each sending `requests` requests of `questions`
+    questions, the next once the last is answered (as HTTP clients do); their futures."""
+    futures, threads = [], []
+    start = threading.Barrier(clients)
+
+    def client(i):
+        start.wait(5)
+        for k in range(requests):
+            futures.append(batcher.submit(TOKEN, [f"c{i}-{k}-{j}" for j in range(questions)]))
+            futures[-1].result(10)
+
+    for i in range(clients):
+        threads.append(threading.Thread(target=client, args=(i,)))
+        threads[-1].start()
+    for t in threads:
+        t.join(30)
+    assert len(futures) == clients * requests and all(f.done() for f in futures)
+    return futures
+
+
+def test_overlap_holds_a_call_to_half_the_questions_in_the_batcher():
+    """8 clients at once: without `overlap` their first requests wait for each other and share
+    one call; with it no call holds more than 4 (half of the 8 questions the batcher can hold),
+    so one half's call runs while the other half is prepared; requests are still merged."""
+    model = _Model()
+    batcher = _batcher(model, max_batch=8, max_wait_s=0.2)
+    for f in _closed_loop(batcher, clients=8, requests=1):
+        assert not f.exception()
+    batcher.close()
+    assert max(len(c) for c in model.calls) > 4, model.calls
+
+    model = _Model()
+    batcher = _batcher(model, max_batch=8, max_wait_s=0.2, overlap=True)
+    for f in _closed_loop(batcher, clients=8, requests=6):
+        assert not f.exception()
+    batcher.close()
+    sizes = [len(c) for c in model.calls]
+    assert max(sizes) <= 4 and max(sizes) > 1, model.calls
+    assert sorted(q for c in model.calls for q in c) == sorted(
+        f"c{i}-{k}-0" for i in range(8) for k in range(6)
+    )
+
+
+def test_overlap_never_splits_a_request():
+    """One client's requests of 3 questions: the batcher never holds more than 3, half of that
+    is 2, and each request is still answered whole, in one call."""
+    model = _Model()
+    batcher = _batcher(model, max_batch=8, max_wait_s=0.0, overlap=True)
+    futures = _closed_loop(batcher, clients=1, requests=4, questions=3)
+    assert [f.result(0) for f in futures] == [
+        [(f"c0-{k}-{j}", TOKEN) for j in range(3)] for k in range(4)
+    ]
+    assert [len(c) for c in model.calls] == [3] * 4
+    batcher.close()
