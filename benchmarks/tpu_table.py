@@ -40,6 +40,8 @@ def _setting(report: dict, row: dict) -> str:
         parts.append(f"{row['attention_impl']} attention")
     if row.get("optimizer_impl", "optax") != "optax":
         parts.append(f"{row['optimizer_impl']} AdamW")
+    if row["remat"] and row.get("remat_policy", "full") != "full":
+        parts.append(f"remat policy {row['remat_policy']}")
     generator = str((report.get("models") or {}).get("generator", ""))
     if generator and not generator.startswith("config.model.generator "):
         parts.append(pathlib.PurePath(generator.split(" ")[0]).name)

@@ -16,7 +16,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from rag_jax.models import flash
+from rag_jax.models import flash, remat
 
 # Large negative logit for masked attention positions; finite so that a fully masked row gives a
 # uniform (not NaN) distribution, as in the PyTorch reference.
@@ -182,7 +182,7 @@ class Attention(nn.Module):
         flash.check_impl(self.impl)
         if self.impl == "flash" and not self.decode:
             out = self._flash(query, key, value, mask, deterministic)  # -> [B, T, h, d]
-            return proj("out")(out.reshape(batch, length, self.hidden))
+            return self._project_out(proj, out.reshape(batch, length, self.hidden))
 
         # Head-major batched matmuls: on CPU this layout runs about twice as fast as the
         # equivalent einsum over [B, T, h, d] (measured at B=32, S=256 in the encode benchmark).
@@ -204,6 +204,8 @@ class Attention(nn.Module):
             value = value.reshape((outer, inner) + value.shape[-3:])  # -> [G, m, h, S, d]
             if mask is not None and mask.ndim == 4:
                 mask = mask[:, None]  # [G, 1, T, S] -> [G, 1, 1, T, S]
+        query = remat.name(query, remat.QUERY)
+        key, value = remat.name(key, remat.KEY), remat.name(value, remat.VALUE)
         # Logits accumulate in float32 even under bfloat16 compute; softmax runs in float32.
         logits = jnp.matmul(
             query, key, preferred_element_type=accumulation_dtype(query.dtype)
@@ -220,14 +222,18 @@ class Attention(nn.Module):
         if not deterministic and self.dropout_rate > 0.0:
             weights = nn.Dropout(self.dropout_rate)(weights, deterministic=False)
         out = jnp.matmul(weights.astype(self.dtype), value)  # -> [B, h, T, d] or [G, m, h, kT, d]
-        out = (out / total).astype(self.dtype)
+        out = remat.name((out / total).astype(self.dtype), remat.ATTENTION)
         if out.ndim == 4:
             out = out.transpose(0, 2, 1, 3)  # -> [B, T, h, d]
         else:
             outer, inner = out.shape[:2]
             out = out.reshape(outer, inner, self.num_heads, -1, length, out.shape[-1])
             out = out.transpose(0, 3, 1, 4, 2, 5)  # -> [G, k, m, T, h, d]
-        return proj("out")(out.reshape(batch, length, self.hidden))  # -> [B, T, H]
+        return self._project_out(proj, out.reshape(batch, length, self.hidden))  # -> [B, T, H]
+
+    def _project_out(self, proj, out: jax.Array) -> jax.Array:
+        """The output projection of the heads' outputs [B, T, H], marked for remat policies."""
+        return remat.name(proj("out")(out), remat.ATTENTION_PROJECTION)
 
     def _flash(self, query, key, value, mask, deterministic) -> jax.Array:
         """The kernel's attention of `query` [B, T, h, d] (scaled) over `key` [..., h, d, S] and
@@ -266,7 +272,9 @@ class Attention(nn.Module):
         v = value.reshape(rows, self.num_heads, source, -1)
         if self.causal and group != 1:
             raise ValueError("causal attention reads its own keys: no key/value sharing")
+        q, k, v = (remat.name(*a) for a in ((q, remat.QUERY), (k, remat.KEY), (v, remat.VALUE)))
         out = flash.attention(q, k, v, key_mask, self.causal)  # -> [G * m, h, k * T, d]
+        out = remat.name(out, remat.ATTENTION)
         out = out.reshape(rows // inner, inner, self.num_heads, group, length, -1)
         out = out.transpose(0, 3, 1, 4, 2, 5)  # -> [G, k, m, T, h, d]
         return out.reshape(batch, length, self.num_heads, -1)
@@ -353,7 +361,8 @@ class Mlp(nn.Module):
         y = activation(self.act)(y)
         if not deterministic and self.activation_dropout > 0.0:
             y = nn.Dropout(self.activation_dropout)(y, deterministic=False)
-        return dense(self.hidden, self.init_std, self.dtype, self.param_dtype, "wo")(y)
+        y = dense(self.hidden, self.init_std, self.dtype, self.param_dtype, "wo")(y)
+        return remat.name(y, remat.FFN_OUTPUT)
 
 
 class TransformerLayer(nn.Module):
@@ -443,9 +452,14 @@ class TransformerLayer(nn.Module):
         return norm(name="mlp_ln")(x + drop(y))
 
 
-def layer_class(remat: bool) -> type[TransformerLayer]:
-    """TransformerLayer, rematerialised in the backward pass when `remat` (saves activations)."""
-    if not remat:
+def layer_class(rematerialise: bool, policy: str = "full") -> type[TransformerLayer]:
+    """TransformerLayer, rematerialised in the backward pass when `rematerialise` (saves
+    activations), keeping what `policy` says (`models.remat`; "full": nothing)."""
+    remat.check_policy(policy)
+    if not rematerialise:
         return TransformerLayer
     # Argument 5 (counting self as 0) is `deterministic`, a Python bool.
-    return nn.remat(TransformerLayer, static_argnums=(5,))
+    saved = remat.checkpoint_policy(policy)
+    if saved is None:
+        return nn.remat(TransformerLayer, static_argnums=(5,))
+    return nn.remat(TransformerLayer, static_argnums=(5,), policy=saved)

@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rag_jax.models import flash, layers
+from rag_jax.models import flash, layers, remat
 
 # rope_scaling kinds computed here; any other is refused by name.
 ROPE_TYPES = ("default", "linear", "llama3")
@@ -70,6 +70,9 @@ class LlamaConfig:
     param_dtype: str = "float32"
     # Recompute each layer's activations in the backward pass instead of storing them.
     remat: bool = False
+    # What a rematerialised layer keeps (`models.remat`): full | attention | all_but_ffn_hidden |
+    # dots; read only with `remat`.
+    remat_policy: str = "full"
     # Attention: "xla" | "flash" (the Pallas TPU kernel, `models.flash`, for rows attending to
     # themselves alone: teacher forcing and prompts; with a prefix or a past it stays on XLA).
     attention_impl: str = "xla"
@@ -81,6 +84,7 @@ class LlamaConfig:
                 f"num_key_value_heads {self.num_key_value_heads}"
             )
         flash.check_impl(self.attention_impl)
+        remat.check_policy(self.remat_policy)
         if not 0 <= self.frozen_layers <= self.num_hidden_layers:
             raise ValueError(
                 f"frozen_layers {self.frozen_layers} must lie in [0, num_hidden_layers = "
@@ -323,20 +327,24 @@ class DecoderLayer(nn.Module):
             value = jax.lax.dynamic_update_slice(past[1], value.astype(past[1].dtype), start)
         # Named scopes put the attention core and the gating in op names ("self_attn", "mlp"), as
         # the projections are (profiles; benchmarks/hlo.py attributes HBM traffic by them).
+        query = remat.name(query, remat.QUERY)
+        key, value = remat.name(key, remat.KEY), remat.name(value, remat.VALUE)
         with jax.named_scope(attn):
             if cfg.attention_impl == "flash" and prefix is None and past is None:
                 out = _fused(query, key, value, own_mask).astype(dtype)
             else:
                 out = _attend(query, (key, value, own_mask), prefix).astype(dtype)
-        x = x + _dense(cfg.hidden_size, cfg.attention_bias, cfg, f"{attn}_o_proj")(out)
+        out = remat.name(out, remat.ATTENTION)
+        out = _dense(cfg.hidden_size, cfg.attention_bias, cfg, f"{attn}_o_proj")(out)
+        x = x + remat.name(out, remat.ATTENTION_PROJECTION)
 
         y = norm(name="post_attention_layernorm")(x)
         gate = _dense(cfg.intermediate_size, cfg.mlp_bias, cfg, "mlp_gate_proj")(y)
         up = _dense(cfg.intermediate_size, cfg.mlp_bias, cfg, "mlp_up_proj")(y)
         with jax.named_scope("mlp"):
             y = layers.activation(cfg.hidden_act)(gate) * up
-        x = x + _dense(cfg.hidden_size, cfg.mlp_bias, cfg, "mlp_down_proj")(y)
-        return x, (key, value)
+        y = _dense(cfg.hidden_size, cfg.mlp_bias, cfg, "mlp_down_proj")(y)
+        return x + remat.name(y, remat.FFN_OUTPUT), (key, value)
 
 
 class _Head(nn.Module):
@@ -374,7 +382,10 @@ class Llama(nn.Module):
         )
         layer = DecoderLayer
         if cfg.remat:
-            layer = nn.remat(DecoderLayer)
+            policy = remat.checkpoint_policy(cfg.remat_policy)
+            layer = (
+                nn.remat(DecoderLayer) if policy is None else nn.remat(DecoderLayer, policy=policy)
+            )
         self.layers = [layer(cfg, name=f"layers_{i}") for i in range(cfg.num_hidden_layers)]
         self.norm = RMSNorm(
             cfg.rms_norm_eps, dtype=jnp.dtype(cfg.dtype), param_dtype=jnp.dtype(cfg.param_dtype)

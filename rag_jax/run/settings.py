@@ -80,6 +80,13 @@ SCHEMA: dict[str, dict[str, tuple]] = {
         ),
         "dtype": ("float32", "compute dtype: float32 | bfloat16 (parameters stay float32)"),
         "remat": (False, "rematerialise layers in the backward pass"),
+        "remat_policy": (
+            "full",
+            "with remat, what each layer keeps for the backward pass (rag_jax.models.remat): "
+            "full (nothing: its whole forward recomputed) | attention (q, k, v and the attention "
+            "output) | all_but_ffn_hidden (all but the feed-forward hidden activations) | dots "
+            "(every projection's output)",
+        ),
         "attention_impl": (
             "xla",
             "every tower's attention: xla (exact against HF) | flash (the Pallas TPU kernel, "
