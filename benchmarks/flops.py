@@ -45,17 +45,24 @@ PEAKS = {
 # hidden activations (BART `wi`, Llama `gate_proj` and `up_proj`), "ffn_out" its last matrix.
 RECOMPUTED = {
     "full": ("qkv", "core", "out", "ffn_in", "ffn_out"),
-    "attention": ("out", "ffn_in", "ffn_out"),
-    "all_but_ffn_hidden": ("ffn_in",),
+    "attention": ("core", "out", "ffn_in", "ffn_out"),
+    "projections": ("core", "ffn_in"),
     "dots": ("core",),
 }
+# The share of the attention core that the "attention" policy runs again, by attention_impl: the
+# XLA path its scores (the mixing's output is saved), the flash kernel its forward pass (for its
+# softmax statistics, which no policy can keep), the splash kernel nothing (its residuals kept).
+ATTENTION_POLICY_CORE = {"xla": 0.5, "flash": 1.0, "splash": 0.0}
 
 
 def _recomputed(parts: dict, cfg) -> float:
     """The FLOPs of `parts` ({part: FLOPs}) that `cfg`'s remat (and remat_policy) runs again."""
     if not cfg.remat:
         return 0
-    return sum(parts[k] for k in RECOMPUTED[cfg.remat_policy])
+    share = dict.fromkeys(RECOMPUTED[cfg.remat_policy], 1.0)
+    if cfg.remat_policy == "attention":
+        share["core"] = ATTENTION_POLICY_CORE[cfg.attention_impl]
+    return sum(parts[k] * v for k, v in share.items())
 
 
 def _encoder_layer_parts(tokens: int, length: int, hidden: int, ffn: int) -> dict:

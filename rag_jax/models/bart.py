@@ -72,11 +72,12 @@ class BartConfig:
     param_dtype: str = "float32"
     # Recompute each layer's activations in the backward pass instead of storing them.
     remat: bool = False
-    # What a rematerialised layer keeps (`models.remat`): full | attention | all_but_ffn_hidden |
+    # What a rematerialised layer keeps (`models.remat`): full | attention | projections |
     # dots; read only with `remat`.
     remat_policy: str = "full"
-    # Attention: "xla" (exact against HF) | "flash" (the Pallas TPU kernel, `models.flash`; no
-    # attention-probability dropout in training; decoding with the cache stays on XLA).
+    # Attention: "xla" (exact against HF) | "flash" | "splash" (Pallas TPU kernels, `models.flash`,
+    # `models.splash`; no attention-probability dropout in training; decoding with the cache
+    # stays on XLA).
     attention_impl: str = "xla"
 
     def __post_init__(self):

@@ -53,11 +53,11 @@ class BertConfig:
     param_dtype: str = "float32"
     # Recompute each layer's activations in the backward pass instead of storing them.
     remat: bool = False
-    # What a rematerialised layer keeps (`models.remat`): full | attention | all_but_ffn_hidden |
+    # What a rematerialised layer keeps (`models.remat`): full | attention | projections |
     # dots; read only with `remat`.
     remat_policy: str = "full"
-    # Attention: "xla" (exact against HF) | "flash" (the Pallas TPU kernel, `models.flash`; no
-    # attention-probability dropout in training).
+    # Attention: "xla" (exact against HF) | "flash" | "splash" (Pallas TPU kernels, `models.flash`,
+    # `models.splash`; no attention-probability dropout in training).
     attention_impl: str = "xla"
 
     @property

@@ -84,13 +84,14 @@ SCHEMA: dict[str, dict[str, tuple]] = {
             "full",
             "with remat, what each layer keeps for the backward pass (rag_jax.models.remat): "
             "full (nothing: its whole forward recomputed) | attention (q, k, v and the attention "
-            "output) | all_but_ffn_hidden (all but the feed-forward hidden activations) | dots "
-            "(every projection's output)",
+            "output; under splash its residuals) | projections (every projection's output but "
+            "the feed-forward's hidden one) | dots (every projection's output)",
         ),
         "attention_impl": (
             "xla",
-            "every tower's attention: xla (exact against HF) | flash (the Pallas TPU kernel, "
-            "rag_jax.models.flash; refuses attention dropout in training)",
+            "every tower's attention: xla (exact against HF) | flash | splash (Pallas TPU "
+            "kernels, rag_jax.models.flash and rag_jax.models.splash; they refuse attention "
+            "dropout in training)",
         ),
         "deterministic": (
             True,
