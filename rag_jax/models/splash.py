@@ -10,14 +10,16 @@ with the remat name `remat.ATTENTION`, so that the remat policy "attention" can 
 the backward pass need not run the kernel's forward pass again (the flash kernel's statistics
 cannot be kept by a policy: under remat its forward pass always runs again).
 
-- The kernel attends one row at a time ([h, T, d] queries); it is vmapped over the rows.
+- The kernel attends one row at a time ([h, T, d] queries); it is vmapped over the rows (Mosaic
+  adds the rows to its grid).
 - Key padding: query ids are 1 everywhere, key ids 1 for a real token and 0 for padding, so a
   padded query reads the real keys, as in the XLA path (its output is ignored either way).
   Decoder self-attention adds the kernel's static causal mask ([T, S] once padded: query t reads
   keys s <= t, so no query reads a padded key through it either).
-- The kernel's blocks: the key length is padded inside to a multiple of 128 (the kernel's lane
-  width and key block) and the query length to a multiple of 8 (of 128 beyond 128, one query
-  block holding at most 128 rows); padded keys get id -2 and padded queries -1, so no real query
+- The kernel's blocks: both lengths are padded inside to multiples of 128, the kernel's lane
+  width (its dK/dV pass lays the queries' segment ids along lanes, so its query blocks are
+  multiples of 128 too: a decoder's 32 target tokens run as 128); padded keys get id -2 and
+  padded queries -1, so no real query
   reads a padded key and the padded rows are sliced off (their output gradient is zero, so they
   add nothing to dK and dV). A row that reads no key gets a finite, meaningless output (the
   kernel's masked logits are finite), as in the XLA path, but not the same one.
@@ -25,12 +27,16 @@ cannot be kept by a policy: under remat its forward pass always runs again).
   it in training (`flash.check_no_dropout`).
 - Under a mesh (`jax.set_mesh`) the kernel runs inside `jax.shard_map` over the batch, split over
   every mesh axis (Mosaic kernels are not partitioned by XLA); without one it runs as it is.
-- On CPU the kernel runs only in Pallas interpret mode
-  (`jax.experimental.pallas.tpu.force_tpu_interpret_mode()`, as the tests do).
+- On CPU the kernel runs only in Pallas's interpreter, inside `with splash.interpreted():` (as
+  the tests do). jax's TPU interpret mode (`force_tpu_interpret_mode`, which the flash tests
+  use) does not accept the vmapped kernel (the grid gains the rows' axis, its dimension
+  semantics do not) and cannot run under remat (its callbacks are effects).
 
 Legend: B batch, h heads, T query length, S key length, d head width.
 """
 
+import contextlib
+import contextvars
 import functools
 
 import jax
@@ -40,14 +46,24 @@ from jax.sharding import PartitionSpec as P
 
 from rag_jax.models import remat
 
-# Key blocks of 128 keys (the lane width: the kernel's segment ids and logits need a multiple).
+# Key and query blocks of 128 (the lane width: the kernel's segment ids need multiples of it).
 KEY_BLOCK = 128
-# Query blocks: the query length rounded up to 8 sublanes, at most 128 rows.
 QUERY_BLOCK = 128
-SUBLANES = 8
 # Segment ids of the rows and keys padded to the kernel's blocks.
 PAD_QUERY_ID = -1
 PAD_KEY_ID = -2
+# Whether kernels traced now run in Pallas's interpreter (`interpreted`).
+_INTERPRET = contextvars.ContextVar("splash_interpret", default=False)
+
+
+@contextlib.contextmanager
+def interpreted():
+    """Kernels traced inside run in Pallas's interpreter, forward and backward (on CPU)."""
+    token = _INTERPRET.set(True)
+    try:
+        yield
+    finally:
+        _INTERPRET.reset(token)
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -55,10 +71,10 @@ def _round_up(n: int, multiple: int) -> int:
 
 
 def _kernel(heads: int, length: int, source: int, causal: bool):
-    """The kernel for (padded) lengths: one query block of up to 128 rows, 128-key blocks; its
-    output and log-sum-exp named `remat.ATTENTION`."""
+    """The kernel for (padded) lengths: 128-query and 128-key blocks; its output and
+    log-sum-exp named `remat.ATTENTION`."""
     mask = kernel.CausalMask((length, source)) if causal else kernel.FullMask((length, source))
-    bq = min(length, QUERY_BLOCK)
+    bq = QUERY_BLOCK
     blocks = kernel.BlockSizes(
         block_q=bq,
         block_kv=KEY_BLOCK,
@@ -75,13 +91,14 @@ def _kernel(heads: int, length: int, source: int, causal: bool):
         head_shards=1,
         q_seq_shards=1,
         residual_checkpoint_name=remat.ATTENTION,
+        interpret=_INTERPRET.get(),
     )
 
 
 def _padded(query, key, value, key_mask, causal):
     """The kernel on one device's rows, lengths padded to its blocks and sliced back."""
     heads, length, source = query.shape[1], query.shape[2], key.shape[2]
-    t_pad = _round_up(length, SUBLANES if length <= QUERY_BLOCK else QUERY_BLOCK) - length
+    t_pad = _round_up(length, QUERY_BLOCK) - length
     s_pad = _round_up(source, KEY_BLOCK) - source
     q_ids = jnp.ones(query.shape[:1] + (length,), jnp.int32)
     kv_ids = key_mask.astype(jnp.int32)
