@@ -47,9 +47,11 @@ RECOMPUTED = {
     "full": ("qkv", "core", "out", "ffn_in", "ffn_out"),
     "attention": ("core", "out", "ffn_in", "ffn_out"),
     "projections": ("core", "ffn_in"),
+    "attention_and_projections": ("core", "ffn_in"),
     "dots": ("core",),
 }
-# The share of the attention core that the "attention" policy runs again, by attention_impl: the
+# The share of the attention core that the policies keeping the attention's output ("attention",
+# "attention_and_projections") run again, by attention_impl: the
 # XLA path its scores (the mixing's output is saved), the flash kernel its forward pass (for its
 # softmax statistics, which no policy can keep), the splash kernel nothing (its residuals kept).
 ATTENTION_POLICY_CORE = {"xla": 0.5, "flash": 1.0, "splash": 0.0}
@@ -60,7 +62,7 @@ def _recomputed(parts: dict, cfg) -> float:
     if not cfg.remat:
         return 0
     share = dict.fromkeys(RECOMPUTED[cfg.remat_policy], 1.0)
-    if cfg.remat_policy == "attention":
+    if cfg.remat_policy in ("attention", "attention_and_projections"):
         share["core"] = ATTENTION_POLICY_CORE[cfg.attention_impl]
     return sum(parts[k] * v for k, v in share.items())
 

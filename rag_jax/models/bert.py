@@ -54,7 +54,7 @@ class BertConfig:
     # Recompute each layer's activations in the backward pass instead of storing them.
     remat: bool = False
     # What a rematerialised layer keeps (`models.remat`): full | attention | projections |
-    # dots; read only with `remat`.
+    # attention_and_projections | dots; read only with `remat`.
     remat_policy: str = "full"
     # Attention: "xla" (exact against HF) | "flash" | "splash" (Pallas TPU kernels, `models.flash`,
     # `models.splash`; no attention-probability dropout in training).

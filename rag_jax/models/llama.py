@@ -71,7 +71,7 @@ class LlamaConfig:
     # Recompute each layer's activations in the backward pass instead of storing them.
     remat: bool = False
     # What a rematerialised layer keeps (`models.remat`): full | attention | projections |
-    # dots; read only with `remat`.
+    # attention_and_projections | dots; read only with `remat`.
     remat_policy: str = "full"
     # Attention: "xla" | "flash" | "splash" (Pallas TPU kernels, `models.flash`, `models.splash`,
     # for rows attending to themselves alone: teacher forcing and prompts; with a prefix or a

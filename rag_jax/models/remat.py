@@ -17,6 +17,9 @@ policy did not save. The policies:
   `down_proj`). Recomputed: the attention core (the XLA path's scores and mixing, or a kernel's
   forward pass) and the feed-forward's hidden [.., F] activations (BART `wi`, Llama `gate_proj`
   and `up_proj`: the widest arrays of a layer), by one matmul from the saved values.
+- "attention_and_projections": both: recomputed, the feed-forward's hidden activations (and
+  what "attention" recomputes of the attention core: the XLA path's scores, the flash kernel's
+  forward pass; nothing of the splash kernel's).
 - "dots": every matmul output without batch dimensions (`jax.checkpoint_policies.
   dots_with_no_batch_dims_saveable`): all projections, the feed-forward's hidden activations
   included. Recomputed: the attention core and the elementwise work.
@@ -30,7 +33,7 @@ or with "full", computes exactly what it did.
 import jax
 from jax.ad_checkpoint import checkpoint_name
 
-POLICIES = ("full", "attention", "projections", "dots")
+POLICIES = ("full", "attention", "projections", "attention_and_projections", "dots")
 
 # Checkpoint names of the arrays the names-based policies save.
 QUERY = "attention_query"  # the query projection's output
@@ -43,6 +46,14 @@ FFN_OUTPUT = "ffn_output"  # the feed-forward's last matrix's output
 _SAVED = {
     "attention": (QUERY, KEY, VALUE, ATTENTION),
     "projections": (QUERY, KEY, VALUE, ATTENTION_PROJECTION, FFN_OUTPUT),
+    "attention_and_projections": (
+        QUERY,
+        KEY,
+        VALUE,
+        ATTENTION,
+        ATTENTION_PROJECTION,
+        FFN_OUTPUT,
+    ),  # fmt: skip
 }
 
 

@@ -85,7 +85,8 @@ SCHEMA: dict[str, dict[str, tuple]] = {
             "with remat, what each layer keeps for the backward pass (rag_jax.models.remat): "
             "full (nothing: its whole forward recomputed) | attention (q, k, v and the attention "
             "output; under splash its residuals) | projections (every projection's output but "
-            "the feed-forward's hidden one) | dots (every projection's output)",
+            "the feed-forward's hidden one) | attention_and_projections (both) | dots (every "
+            "projection's output)",
         ),
         "attention_impl": (
             "xla",

@@ -20,7 +20,7 @@ import sys
 import jax
 import pytest
 
-from benchmarks import aot, hbm_fit, tpu_topology
+from benchmarks import aot, attention_traffic, hbm_fit, tpu_topology
 from benchmarks.flops import causal_train_flops
 from rag_jax.devices import device_memory, sharding
 from rag_jax.training import loop
@@ -313,6 +313,10 @@ def test_splash_attention_runs_as_tpu_kernels(splash_programs):
         # padded length), cannot be told from a padded score array by its shape.
         lengths = {p.rag_cfg.max_combined_length, config.data.answer_length}
         assert _score_arrays(text, q.num_attention_heads, lengths) == [], policy
+        # The attention's traffic split by kind adds up to the report's attention part.
+        split = attention_traffic.split(text)
+        assert sum(split.values()) == pytest.approx(row["bytes"]["hbm_by_part"]["attention"])
+        assert split["kernel calls"] > 0 and split["projections"] > 0, split
 
 
 def test_the_recompute_count_follows_the_remat_policy(splash_programs):

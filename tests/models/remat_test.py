@@ -135,6 +135,8 @@ def test_each_policy_saves_what_it_says(model):
     assert remat.ATTENTION_PROJECTION not in attention and remat.FFN_OUTPUT not in attention
     assert projections[remat.ATTENTION_PROJECTION] == attentions
     assert projections.get(remat.FFN_OUTPUT, 0) == ffn_outputs
+    both = _saved(model, "attention_and_projections")
+    assert both == {**projections, remat.ATTENTION: attentions}, (both, projections)
     # "dots" saves matmul outputs, which carry no name; more arrays than "full" saves.
     dots = _saved(model, "dots")
     assert set(dots) == {"unnamed"} and dots["unnamed"] > full["unnamed"], (dots, full)
