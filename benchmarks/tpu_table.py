@@ -33,8 +33,9 @@ def _slice(target: dict) -> str:
 
 def _setting(report: dict, row: dict) -> str:
     """What besides the slice and the batch tells compiles apart: the parameter layout, the
-    attention and optimizer implementations when not XLA's and optax's (reports from before they
-    were recorded used those), and the generator when it is not the config's BART."""
+    attention and optimizer implementations when not XLA's and optax's and the remat policy when
+    not "full" (reports from before they were recorded used those), and the generator when it
+    is not the config's BART."""
     parts = [row["param_sharding"]]
     if row.get("attention_impl", "xla") != "xla":
         parts.append(f"{row['attention_impl']} attention")
