@@ -152,7 +152,6 @@ def test_bad_shapes_are_refused():
         splash.attention(q, q, q, jnp.ones((2, 4)), False)
 
 
-@pytest.mark.slow  # about 40 s in interpret mode
 def test_bert_and_bart_towers_with_splash_equal_xla():
     rng = np.random.default_rng(5)
     b_cfg = bert.BertConfig(
@@ -212,7 +211,6 @@ def _llama_loss(cfg, params, ids, mask):
     return jnp.sum(jnp.sin(logits)), logits
 
 
-@pytest.mark.slow  # about 45 s each in interpret mode
 @pytest.mark.parametrize("kv_heads", [2, 4], ids=["gqa", "mha"])
 def test_llama_decoder_with_splash_equals_xla_on_real_tokens(kv_heads):
     cfg = _llama(kv_heads)
