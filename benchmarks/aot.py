@@ -242,6 +242,7 @@ def train_row(p: Plan, t: Target, batch: int, in_step: bool, *, detail: bool = T
         "per_chip_batch": batch // t.chips,
         "index": "in step" if in_step else "host",
         "remat": config.model.remat,
+        "remat_policy": config.model.remat_policy,
         "param_sharding": config.train.param_sharding,
         "attention_impl": config.model.attention_impl,
         "optimizer_impl": config.train.optimizer_impl,
@@ -283,7 +284,8 @@ def _hlo(compiled, t: Target, row: dict, hlo_dir) -> tuple:
     text = compiled.as_text()
     if hlo_dir is not None:
         keys = (t.name, row["program"], row.get("index", ""), f"B{row['batch']}",
-                f"remat{int(row['remat'])}", row["param_sharding"])  # fmt: skip
+                f"remat{int(row['remat'])}", row.get("remat_policy", "full"),
+                row["param_sharding"])  # fmt: skip
         name = "_".join(re.sub(r"[^\w]+", "-", str(k)) for k in keys if k) + ".hlo.txt.gz"
         pathlib.Path(hlo_dir).mkdir(parents=True, exist_ok=True)
         with gzip.open(pathlib.Path(hlo_dir) / name, "wt", encoding="utf-8") as f:

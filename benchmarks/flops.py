@@ -38,6 +38,45 @@ PEAKS = {
     "tpu v4": (275.0, 1200.0, "cloud.google.com/tpu/docs/v4"),
 }
 
+# Which parts of a layer's forward pass each `remat_policy` (`rag_jax.models.remat`) runs again
+# in the backward pass: "qkv" the query, key and value projections (cross-attention's keys and
+# values of the encoder output included), "core" the attention's score and mixing products (or
+# a kernel's forward pass), "out" the attention's output projection, "ffn_in" the feed-forward's
+# hidden activations (BART `wi`, Llama `gate_proj` and `up_proj`), "ffn_out" its last matrix.
+RECOMPUTED = {
+    "full": ("qkv", "core", "out", "ffn_in", "ffn_out"),
+    "attention": ("core", "out", "ffn_in", "ffn_out"),
+    "projections": ("core", "ffn_in"),
+    "attention_and_projections": ("core", "ffn_in"),
+    "dots": ("core",),
+}
+# The share of the attention core that the policies keeping the attention's output ("attention",
+# "attention_and_projections") run again, by attention_impl: the
+# XLA path its scores (the mixing's output is saved), the flash kernel its forward pass (for its
+# softmax statistics, which no policy can keep), the splash kernel nothing (its residuals kept).
+ATTENTION_POLICY_CORE = {"xla": 0.5, "flash": 1.0, "splash": 0.0}
+
+
+def _recomputed(parts: dict, cfg) -> float:
+    """The FLOPs of `parts` ({part: FLOPs}) that `cfg`'s remat (and remat_policy) runs again."""
+    if not cfg.remat:
+        return 0
+    share = dict.fromkeys(RECOMPUTED[cfg.remat_policy], 1.0)
+    if cfg.remat_policy in ("attention", "attention_and_projections"):
+        share["core"] = ATTENTION_POLICY_CORE[cfg.attention_impl]
+    return sum(parts[k] * v for k, v in share.items())
+
+
+def _encoder_layer_parts(tokens: int, length: int, hidden: int, ffn: int) -> dict:
+    """{part: forward FLOPs} of a post-LN encoder layer over `tokens` tokens of rows of `length`."""
+    return {
+        "qkv": tokens * 2 * 3 * hidden * hidden,
+        "core": tokens * 2 * 2 * length * hidden,
+        "out": tokens * 2 * hidden * hidden,
+        "ffn_in": tokens * 2 * hidden * ffn,
+        "ffn_out": tokens * 2 * hidden * ffn,
+    }
+
 
 def device_peaks(kind: str, tflops: float | None = None, gbps: float | None = None) -> dict:
     """Peak bf16 FLOP/s and HBM bandwidth of one device of `kind`, overrides first."""
@@ -61,9 +100,10 @@ def train_flops(q: bert.BertConfig, g: bart.BartConfig, batch: int, *, n_docs: i
 
     Returns:
       {"question_encoder", "generator", "doc_scores", "forward", "train"}: FLOPs; and
-      "recompute": the forward FLOPs of the transformer layers, which rematerialisation
-      (`remat=True` in the model configs) executes a second time in the backward pass (all but
-      the pooler/projection and the vocabulary projection, which sit outside the layers).
+      "recompute": the forward FLOPs of the transformer layers that rematerialisation
+      (`remat=True` in the model configs) executes a second time in the backward pass: with
+      `remat_policy="full"` all of them (not the pooler/projection nor the vocabulary
+      projection, which sit outside the layers), with another policy its `RECOMPUTED` parts.
     """
     h, f = q.hidden_size, q.intermediate_size
     tokens = batch * question
@@ -86,14 +126,26 @@ def train_flops(q: bert.BertConfig, g: bart.BartConfig, batch: int, *, n_docs: i
 
     scores = 2 * rows * q.embedding_dim
     forward = question_fwd + generator_fwd + scores
-    question_layers = tokens * q.num_hidden_layers * per_token
+    question_parts = _encoder_layer_parts(tokens, question, h, f)
+    question_recompute = q.num_hidden_layers * _recomputed(question_parts, q)
+    enc_parts = _encoder_layer_parts(rows * context, context, d, fg)
+    dec_tokens = rows * target
+    dec_parts = {  # self-attention, cross-attention (q; keys/values of the encoder output), FFN
+        "qkv": dec_tokens * 2 * 4 * d * d + rows * context * 2 * 2 * d * d,
+        "core": dec_tokens * 4 * (target + context) * d,
+        "out": dec_tokens * 2 * 2 * d * d,
+        "ffn_in": dec_tokens * 2 * d * g.decoder_ffn_dim,
+        "ffn_out": dec_tokens * 2 * d * g.decoder_ffn_dim,
+    }
+    generator_recompute = g.encoder_layers * _recomputed(enc_parts, g)
+    generator_recompute += g.decoder_layers * _recomputed(dec_parts, g)
     return {
         "question_encoder": 3 * question_fwd,
         "generator": 3 * generator_fwd,
         "doc_scores": 3 * scores,
         "forward": forward,
         "train": 3 * forward,
-        "recompute": question_layers * q.remat + (enc + dec + cross_kv) * g.remat,
+        "recompute": question_recompute + generator_recompute,
     }
 
 
@@ -131,9 +183,17 @@ def causal_train_flops(q, g: llama.LlamaConfig, batch: int, *, n_docs: int, ques
     projections *= rows * length  # q, o; k, v; gate, up, down: per layer
     products = rows * 2 * 2 * heads * length * length * width  # scores and mixing, per layer
     layer_fwd = projections + products
-    # Remat recomputes what the backward pass reads: all but the down projection, whose output
-    # only joins the residual stream (pre-norm layers).
-    layer_recompute = layer_fwd - rows * length * 2 * hidden * ffn
+    tokens = rows * length
+    # Remat recomputes what the backward pass reads, of what its policy does not save: never the
+    # down projection ("ffn_out"), whose output only joins the residual stream (pre-norm layers).
+    layer_parts = {
+        "qkv": tokens * 2 * hidden * width * (heads + 2 * kv_heads),
+        "core": products,
+        "out": tokens * 2 * hidden * width * heads,
+        "ffn_in": tokens * 2 * 2 * hidden * ffn,
+        "ffn_out": 0,
+    }
+    layer_recompute = _recomputed(layer_parts, g)
     head_fwd = 2 * rows * target * hidden * g.vocab_size
 
     def trains(path: str) -> bool:
@@ -155,7 +215,7 @@ def causal_train_flops(q, g: llama.LlamaConfig, batch: int, *, n_docs: int, ques
         elif below:
             backward += projections + 2 * products
         if layer_trains[i] or below:
-            recompute += layer_recompute * g.remat
+            recompute += layer_recompute
         below = below or layer_trains[i]
     head_weight = embedding if g.tie_word_embeddings else trains("lm_head/kernel")
     head_input = below or trains("norm/scale")
@@ -167,6 +227,9 @@ def causal_train_flops(q, g: llama.LlamaConfig, batch: int, *, n_docs: int, ques
     per_token = 2 * (4 * h * h + 2 * h * f) + 2 * 2 * question * h
     question_layers = tokens * q.num_hidden_layers * per_token
     question_fwd = question_layers
+    question_recompute = q.num_hidden_layers * _recomputed(
+        _encoder_layer_parts(tokens, question, h, f), q
+    )
     if q.projection_dim:
         question_fwd += 2 * batch * h * q.projection_dim
     if q.with_pooler:
@@ -179,7 +242,7 @@ def causal_train_flops(q, g: llama.LlamaConfig, batch: int, *, n_docs: int, ques
         "forward": question_fwd + generator_fwd + scores,
         "generator_forward": generator_fwd,
         "generator_backward": backward,
-        "recompute": question_layers * q.remat + recompute,
+        "recompute": question_recompute + recompute,
     }
     out["train"] = out["question_encoder"] + out["generator"] + out["doc_scores"]
     return out

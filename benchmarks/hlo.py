@@ -47,6 +47,8 @@ _HOST_OPS = ("send", "recv", "infeed", "outfeed", "send-done", "recv-done")
 _HOST_MEMORY_SPACE = 5  # pinned host memory on TPU
 
 _ARRAY = re.compile(r"([a-z]+[0-9]*[a-z0-9]*)\[([0-9,]*)\](\{[^{}]*\})?")
+# The first line of an instruction: `  [ROOT ]%name = ...`.
+_INSTRUCTION = re.compile(r"^\s*(ROOT\s+)?%?[\w.\-]+ = ")
 _HEADER = re.compile(r"^(ENTRY )?%?([\w.\-]+) \(.*\) -> .* \{$")
 _CALLED = re.compile(r"\b(body|calls|to_apply|condition)=%([\w.\-]+)")
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
@@ -98,10 +100,31 @@ def _operands(text: str) -> tuple[list[str], str]:
     return names, ""
 
 
+def _logical_lines(hlo_text: str):
+    """The HLO text's lines, an instruction whose attributes span several lines (a Pallas
+    kernel's `kernel_metadata` holds newlines) joined into one."""
+    pending = None
+    for line in hlo_text.splitlines():
+        if pending is not None and not (
+            _HEADER.match(line) or _INSTRUCTION.match(line) or line.strip() == "}"
+        ):
+            pending += " " + line.strip()
+            continue
+        if pending is not None:
+            yield pending
+            pending = None
+        if _INSTRUCTION.match(line):
+            pending = line
+        else:
+            yield line
+    if pending is not None:
+        yield pending
+
+
 def parse(hlo_text: str) -> tuple[dict[str, list[Instruction]], str]:
     """({computation name: its instructions}, the entry computation's name)."""
     computations, entry, current = {}, None, None
-    for line in hlo_text.splitlines():
+    for line in _logical_lines(hlo_text):
         header = _HEADER.match(line)
         if header:
             current = computations.setdefault(header.group(2), [])

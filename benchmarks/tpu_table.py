@@ -33,13 +33,16 @@ def _slice(target: dict) -> str:
 
 def _setting(report: dict, row: dict) -> str:
     """What besides the slice and the batch tells compiles apart: the parameter layout, the
-    attention and optimizer implementations when not XLA's and optax's (reports from before they
-    were recorded used those), and the generator when it is not the config's BART."""
+    attention and optimizer implementations when not XLA's and optax's and the remat policy when
+    not "full" (reports from before they were recorded used those), and the generator when it
+    is not the config's BART."""
     parts = [row["param_sharding"]]
     if row.get("attention_impl", "xla") != "xla":
         parts.append(f"{row['attention_impl']} attention")
     if row.get("optimizer_impl", "optax") != "optax":
         parts.append(f"{row['optimizer_impl']} AdamW")
+    if row["remat"] and row.get("remat_policy", "full") != "full":
+        parts.append(f"remat policy {row['remat_policy']}")
     generator = str((report.get("models") or {}).get("generator", ""))
     if generator and not generator.startswith("config.model.generator "):
         parts.append(pathlib.PurePath(generator.split(" ")[0]).name)

@@ -49,7 +49,14 @@ __all__ = ["ExportError", "save_bart", "save_dpr", "save_passages", "save_rag"]
 
 # Fields of our configs that say how rag_jax runs a model, not which function it computes.
 # Settings of how rag_jax runs or trains a tower, not of the model HF builds.
-_RUNTIME = ("dtype", "param_dtype", "remat", "with_pooler", "frozen_encoder_layers")
+_RUNTIME = (
+    "dtype",
+    "param_dtype",
+    "remat",
+    "remat_policy",
+    "with_pooler",
+    "frozen_encoder_layers",
+)
 # HF's BART builds every LayerNorm with PyTorch's default eps and has no field to change it.
 HF_BART_LAYER_NORM_EPS = 1e-5
 _DPR_PREFIX = {"question": "question_encoder.", "context": "ctx_encoder."}

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rag_jax.models import layers
+from rag_jax.models import layers, remat
 
 # BART's learned position table has 2 extra leading rows (a fairseq legacy): position p is row p+2.
 POSITION_OFFSET = 2
@@ -72,9 +72,16 @@ class BartConfig:
     param_dtype: str = "float32"
     # Recompute each layer's activations in the backward pass instead of storing them.
     remat: bool = False
-    # Attention: "xla" (exact against HF) | "flash" (the Pallas TPU kernel, `models.flash`; no
-    # attention-probability dropout in training; decoding with the cache stays on XLA).
+    # What a rematerialised layer keeps (`models.remat`): full | attention | projections |
+    # attention_and_projections | dots; read only with `remat`.
+    remat_policy: str = "full"
+    # Attention: "xla" (exact against HF) | "flash" | "splash" (Pallas TPU kernels, `models.flash`,
+    # `models.splash`; no attention-probability dropout in training; decoding with the cache
+    # stays on XLA).
     attention_impl: str = "xla"
+
+    def __post_init__(self):
+        remat.check_policy(self.remat_policy)
 
     def replace(self, **changes) -> "BartConfig":
         return dataclasses.replace(self, **changes)
@@ -138,7 +145,7 @@ class _Stack(nn.Module):
         )(x)
         if not deterministic and cfg.dropout > 0.0:
             x = nn.Dropout(cfg.dropout)(x, deterministic=False)
-        layer = layers.layer_class(cfg.remat)
+        layer = layers.layer_class(cfg.remat, cfg.remat_policy)
         layerdrop = cfg.decoder_layerdrop if self.cross else cfg.encoder_layerdrop
         for i in range(cfg.decoder_layers if self.cross else cfg.encoder_layers):
             y = layer(

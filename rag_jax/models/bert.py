@@ -19,7 +19,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from rag_jax.models import layers
+from rag_jax.models import layers, remat
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,14 +53,20 @@ class BertConfig:
     param_dtype: str = "float32"
     # Recompute each layer's activations in the backward pass instead of storing them.
     remat: bool = False
-    # Attention: "xla" (exact against HF) | "flash" (the Pallas TPU kernel, `models.flash`; no
-    # attention-probability dropout in training).
+    # What a rematerialised layer keeps (`models.remat`): full | attention | projections |
+    # attention_and_projections | dots; read only with `remat`.
+    remat_policy: str = "full"
+    # Attention: "xla" (exact against HF) | "flash" | "splash" (Pallas TPU kernels, `models.flash`,
+    # `models.splash`; no attention-probability dropout in training).
     attention_impl: str = "xla"
 
     @property
     def embedding_dim(self) -> int:
         """D: width of the retrieval vector."""
         return self.projection_dim if self.projection_dim > 0 else self.hidden_size
+
+    def __post_init__(self):
+        remat.check_policy(self.remat_policy)
 
     def replace(self, **changes) -> "BertConfig":
         return dataclasses.replace(self, **changes)
@@ -126,7 +132,7 @@ class BertEncoder(nn.Module):
             x = nn.Dropout(cfg.hidden_dropout_prob)(x, deterministic=False)
 
         mask = layers.padding_mask(None, attention_mask)  # -> [B, 1, 1, S]
-        layer = layers.layer_class(cfg.remat)
+        layer = layers.layer_class(cfg.remat, cfg.remat_policy)
         for i in range(cfg.num_hidden_layers):
             x = layer(
                 num_heads=cfg.num_attention_heads,

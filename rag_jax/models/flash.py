@@ -32,7 +32,10 @@ import jax.numpy as jnp
 from jax.experimental.pallas.ops.tpu import flash_attention as kernel
 from jax.sharding import PartitionSpec as P
 
-IMPLS = ("xla", "flash")
+# Every attention implementation (`model.attention_impl`): XLA's, and the Pallas TPU kernels of
+# this module and of `models.splash`.
+IMPLS = ("xla", "flash", "splash")
+KERNELS = ("flash", "splash")
 # The kernel's key blocks hold 128 keys (its lane width; segment ids need a multiple of it).
 KEY_BLOCK = 128
 # Query blocks: the query length rounded up to 8 sublanes, at most 128 rows.
@@ -48,11 +51,11 @@ def check_impl(impl: str) -> None:
         raise ValueError(f"attention_impl must be one of {IMPLS}, got {impl!r}")
 
 
-def check_no_dropout(rate: float, deterministic: bool, setting: str) -> None:
-    """Refuses attention-probability dropout under the kernel, which cannot apply it."""
+def check_no_dropout(rate: float, deterministic: bool, setting: str, impl: str = "flash") -> None:
+    """Refuses attention-probability dropout under a kernel (`impl`), which cannot apply it."""
     if not deterministic and rate > 0.0:
         raise ValueError(
-            f"model.attention_impl='flash' cannot apply attention-probability dropout, but "
+            f"model.attention_impl={impl!r} cannot apply attention-probability dropout, but "
             f"{setting}={rate} in training: set it to 0.0, train with model.deterministic=True, "
             "or use model.attention_impl='xla'"
         )
@@ -60,9 +63,9 @@ def check_no_dropout(rate: float, deterministic: bool, setting: str) -> None:
 
 def tracing_mesh(impl: str, mesh):
     """The context to trace a program in: the mesh (`jax.set_mesh`) when it holds the kernels
-    (`impl == "flash"`), which then run in `jax.shard_map` over it, as XLA does not partition
-    them; nothing for the XLA path, whose programs are traced as they always were."""
-    return jax.set_mesh(mesh) if impl == "flash" else contextlib.nullcontext()
+    (`impl` "flash" or "splash"), which then run in `jax.shard_map` over it, as XLA does not
+    partition them; nothing for the XLA path, whose programs are traced as they always were."""
+    return jax.set_mesh(mesh) if impl in KERNELS else contextlib.nullcontext()
 
 
 def _round_up(n: int, multiple: int) -> int:

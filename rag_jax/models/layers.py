@@ -16,7 +16,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from rag_jax.models import flash
+from rag_jax.models import flash, remat, splash
 
 # Large negative logit for masked attention positions; finite so that a fully masked row gives a
 # uniform (not NaN) distribution, as in the PyTorch reference.
@@ -121,7 +121,8 @@ class Attention(nn.Module):
     Create the cache by calling the model once with `decode=True` and `mutable=["cache"]` on an
     input of the full decode length; that first call does not write to it.
 
-    With `impl="flash"` the softmax and both matmuls run in the Pallas kernel (`models.flash`),
+    With `impl="flash"` or `"splash"` the softmax and both matmuls run in a Pallas kernel
+    (`models.flash`, `models.splash`),
     forward and backward, except in decode mode (a cached query or a few reading the cache,
     where the scores are [.., h, 1, L] and the XLA path stays). The kernel reads `mask` as what
     the models build: a key-padding mask [.., 1, 1, S] (`padding_mask`), or, with `causal`,
@@ -135,9 +136,9 @@ class Attention(nn.Module):
     dropout_rate: float = 0.0
     cross: bool = False
     decode: bool = False
-    # "xla" (the default, exact against HF) | "flash" (the Pallas TPU kernel, see above).
+    # "xla" (the default, exact against HF) | "flash" | "splash" (Pallas TPU kernels, see above).
     impl: str = "xla"
-    # The mask is causal (decoder self-attention); only the flash path reads this.
+    # The mask is causal (decoder self-attention); only the kernel paths read this.
     causal: bool = False
     dtype: jnp.dtype = jnp.float32
     param_dtype: jnp.dtype = jnp.float32
@@ -171,7 +172,9 @@ class Attention(nn.Module):
 
         # Scaling the queries costs [B, T, H] multiplications instead of [B, h, T, S].
         scale = jnp.asarray((self.hidden // self.num_heads) ** -0.5, self.dtype)
-        query = self._split(proj("query")(x) * scale)  # -> [B, T, h, d]
+        # The remat names mark the [.., H] projections (no head axis of width d padded to the
+        # TPU's 128 lanes when a policy keeps them).
+        query = self._split(remat.name(proj("query")(x), remat.QUERY) * scale)  # -> [B, T, h, d]
         if self.cross and self.decode:
             key, value = self._cross_cache(kv, proj)
         else:
@@ -180,9 +183,9 @@ class Attention(nn.Module):
             if self.decode:
                 key, value, mask = self._self_cache(key, value, length)
         flash.check_impl(self.impl)
-        if self.impl == "flash" and not self.decode:
-            out = self._flash(query, key, value, mask, deterministic)  # -> [B, T, h, d]
-            return proj("out")(out.reshape(batch, length, self.hidden))
+        if self.impl in flash.KERNELS and not self.decode:
+            out = self._kernel(query, key, value, mask, deterministic)  # -> [B, T, h, d]
+            return self._project_out(proj, out.reshape(batch, length, self.hidden))
 
         # Head-major batched matmuls: on CPU this layout runs about twice as fast as the
         # equivalent einsum over [B, T, h, d] (measured at B=32, S=256 in the encode benchmark).
@@ -227,15 +230,24 @@ class Attention(nn.Module):
             outer, inner = out.shape[:2]
             out = out.reshape(outer, inner, self.num_heads, -1, length, out.shape[-1])
             out = out.transpose(0, 3, 1, 4, 2, 5)  # -> [G, k, m, T, h, d]
-        return proj("out")(out.reshape(batch, length, self.hidden))  # -> [B, T, H]
+        return self._project_out(proj, out.reshape(batch, length, self.hidden))  # -> [B, T, H]
 
-    def _flash(self, query, key, value, mask, deterministic) -> jax.Array:
+    def _project_out(self, proj, out: jax.Array) -> jax.Array:
+        """The output projection of the heads' outputs [B, T, H], both marked for the remat
+        policies (the splash kernel marks its own output, which its backward pass reads)."""
+        if self.impl != "splash" or self.decode:
+            out = remat.name(out, remat.ATTENTION)
+        return remat.name(proj("out")(out), remat.ATTENTION_PROJECTION)
+
+    def _kernel(self, query, key, value, mask, deterministic) -> jax.Array:
         """The kernel's attention of `query` [B, T, h, d] (scaled) over `key` [..., h, d, S] and
-        `value` [..., h, S, d] (leading dims [B], [B / k] or [G, m]); returns [B, T, h, d]."""
+        `value` [..., h, S, d] (leading dims [B], [B / k] or [G, m]); returns [B, T, h, d].
+        """
         flash.check_no_dropout(
             self.dropout_rate,
             deterministic,
             "the attention dropout (attention_probs_dropout_prob, attention_dropout)",
+            self.impl,
         )
         batch, length = query.shape[:2]
         lead, source = key.shape[:-3], key.shape[-1]
@@ -253,7 +265,7 @@ class Attention(nn.Module):
             key_mask = mask[..., 0, 0, :]
         else:
             raise ValueError(
-                f"attention_impl='flash' reads a key-padding mask [.., 1, 1, S] (or, causal, "
+                f"attention_impl={self.impl!r} reads a key-padding mask [.., 1, 1, S] (or, causal, "
                 f"causal_mask and-ed with one); got a mask of shape {mask.shape}"
             )
         key_mask = jnp.broadcast_to(key_mask, lead + (source,)).reshape(rows, source)
@@ -266,7 +278,8 @@ class Attention(nn.Module):
         v = value.reshape(rows, self.num_heads, source, -1)
         if self.causal and group != 1:
             raise ValueError("causal attention reads its own keys: no key/value sharing")
-        out = flash.attention(q, k, v, key_mask, self.causal)  # -> [G * m, h, k * T, d]
+        fused = splash.attention if self.impl == "splash" else flash.attention
+        out = fused(q, k, v, key_mask, self.causal)  # -> [G * m, h, k * T, d]
         out = out.reshape(rows // inner, inner, self.num_heads, group, length, -1)
         out = out.transpose(0, 3, 1, 4, 2, 5)  # -> [G, k, m, T, h, d]
         return out.reshape(batch, length, self.num_heads, -1)
@@ -285,8 +298,8 @@ class Attention(nn.Module):
             kernel_init=nn.initializers.normal(self.init_std),
             name="key",
         )
-        key = self._split(key_proj(source))  # -> [..., S, h, d]
-        value = self._split(proj("value")(source))
+        key = self._split(remat.name(key_proj(source), remat.KEY))  # -> [..., S, h, d]
+        value = self._split(remat.name(proj("value")(source), remat.VALUE))
         axes = tuple(range(lead))
         key = key.transpose(axes + (lead + 1, lead + 2, lead))  # -> [..., h, d, S]
         value = value.transpose(axes + (lead + 1, lead, lead + 2))  # -> [..., h, S, d]
@@ -353,7 +366,8 @@ class Mlp(nn.Module):
         y = activation(self.act)(y)
         if not deterministic and self.activation_dropout > 0.0:
             y = nn.Dropout(self.activation_dropout)(y, deterministic=False)
-        return dense(self.hidden, self.init_std, self.dtype, self.param_dtype, "wo")(y)
+        y = dense(self.hidden, self.init_std, self.dtype, self.param_dtype, "wo")(y)
+        return remat.name(y, remat.FFN_OUTPUT)
 
 
 class TransformerLayer(nn.Module):
@@ -374,7 +388,7 @@ class TransformerLayer(nn.Module):
     activation_dropout: float = 0.0
     cross: bool = False
     decode: bool = False
-    # Attention.impl of every attention of the layer ("xla" | "flash").
+    # Attention.impl of every attention of the layer ("xla" | "flash" | "splash").
     attention_impl: str = "xla"
     dtype: jnp.dtype = jnp.float32
     param_dtype: jnp.dtype = jnp.float32
@@ -443,9 +457,14 @@ class TransformerLayer(nn.Module):
         return norm(name="mlp_ln")(x + drop(y))
 
 
-def layer_class(remat: bool) -> type[TransformerLayer]:
-    """TransformerLayer, rematerialised in the backward pass when `remat` (saves activations)."""
-    if not remat:
+def layer_class(rematerialise: bool, policy: str = "full") -> type[TransformerLayer]:
+    """TransformerLayer, rematerialised in the backward pass when `rematerialise` (saves
+    activations), keeping what `policy` says (`models.remat`; "full": nothing)."""
+    remat.check_policy(policy)
+    if not rematerialise:
         return TransformerLayer
     # Argument 5 (counting self as 0) is `deterministic`, a Python bool.
-    return nn.remat(TransformerLayer, static_argnums=(5,))
+    saved = remat.checkpoint_policy(policy)
+    if saved is None:
+        return nn.remat(TransformerLayer, static_argnums=(5,))
+    return nn.remat(TransformerLayer, static_argnums=(5,), policy=saved)

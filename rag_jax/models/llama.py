@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rag_jax.models import flash, layers
+from rag_jax.models import flash, layers, remat, splash
 
 # rope_scaling kinds computed here; any other is refused by name.
 ROPE_TYPES = ("default", "linear", "llama3")
@@ -70,8 +70,12 @@ class LlamaConfig:
     param_dtype: str = "float32"
     # Recompute each layer's activations in the backward pass instead of storing them.
     remat: bool = False
-    # Attention: "xla" | "flash" (the Pallas TPU kernel, `models.flash`, for rows attending to
-    # themselves alone: teacher forcing and prompts; with a prefix or a past it stays on XLA).
+    # What a rematerialised layer keeps (`models.remat`): full | attention | projections |
+    # attention_and_projections | dots; read only with `remat`.
+    remat_policy: str = "full"
+    # Attention: "xla" | "flash" | "splash" (Pallas TPU kernels, `models.flash`, `models.splash`,
+    # for rows attending to themselves alone: teacher forcing and prompts; with a prefix or a
+    # past it stays on XLA).
     attention_impl: str = "xla"
 
     def __post_init__(self):
@@ -81,6 +85,7 @@ class LlamaConfig:
                 f"num_key_value_heads {self.num_key_value_heads}"
             )
         flash.check_impl(self.attention_impl)
+        remat.check_policy(self.remat_policy)
         if not 0 <= self.frozen_layers <= self.num_hidden_layers:
             raise ValueError(
                 f"frozen_layers {self.frozen_layers} must lie in [0, num_hidden_layers = "
@@ -230,8 +235,10 @@ def _attend(query, own, prefix):
     return out.transpose(0, 3, 1, 2, 4).reshape(rows, length, heads * width)
 
 
-def _fused(query, key, value, key_mask):
-    """Causal grouped-query attention of rows over their own keys in the kernel (`models.flash`).
+def _fused(query, key, value, key_mask, impl):
+    """Causal grouped-query attention of rows over their own keys in a kernel (`impl`: "flash",
+    `models.flash`, which reads the key/value heads repeated for each query head; "splash",
+    `models.splash`, which reads the g heads as they are).
 
     Args:
       query: [R, T, h, d], scaled and rotated.
@@ -243,6 +250,9 @@ def _fused(query, key, value, key_mask):
       kernel lets it read the real keys before it, the XLA path only itself), and is ignored.
     """
     rows, length, heads, width = query.shape
+    if impl == "splash":
+        out = splash.attention(query.transpose(0, 2, 1, 3), key, value, key_mask, causal=True)
+        return out.transpose(0, 2, 1, 3).reshape(rows, length, heads * width)
     repeat = heads // key.shape[1]
     key, value = jnp.repeat(key, repeat, axis=1), jnp.repeat(value, repeat, axis=1)  # [R, h, T, d]
     out = flash.attention(query.transpose(0, 2, 1, 3), key, value, key_mask, causal=True)
@@ -288,7 +298,7 @@ class DecoderLayer(nn.Module):
           x: [R, T, H].
           cos, sin: [R, T, 1, d] rotary tables of the T tokens' positions.
           own_mask: bool broadcastable to [R, 1, 1, T, S]: which of the row's own keys each
-            token sees (S = T without a past, L with one); with `attention_impl="flash"`, no
+            token sees (S = T without a past, L with one); with `attention_impl` a kernel, no
             prefix and no past, the key padding [R, T] (the kernel applies causality).
           prefix: None or this layer's (keys, values, mask) of the shared prefix.
           past: None or this layer's (keys [R, g, L, d], values); the T new keys and values are
@@ -309,9 +319,13 @@ class DecoderLayer(nn.Module):
 
         y = norm(name="input_layernorm")(x)
         attn = "self_attn"
+        # The remat names mark the [.., H] projections (no head axis of width d padded to the
+        # TPU's 128 lanes when a policy keeps them).
         query = _dense(heads * width, cfg.attention_bias, cfg, f"{attn}_q_proj")(y)
         key = _dense(groups * width, cfg.attention_bias, cfg, f"{attn}_k_proj")(y)
         value = _dense(groups * width, cfg.attention_bias, cfg, f"{attn}_v_proj")(y)
+        query, key = remat.name(query, remat.QUERY), remat.name(key, remat.KEY)
+        value = remat.name(value, remat.VALUE)
         query = _rotate(query.reshape(rows, length, heads, width), cos, sin)
         query = query * jnp.asarray(width**-0.5, dtype)
         key = _rotate(key.reshape(rows, length, groups, width), cos, sin).transpose(0, 2, 1, 3)
@@ -323,20 +337,24 @@ class DecoderLayer(nn.Module):
             value = jax.lax.dynamic_update_slice(past[1], value.astype(past[1].dtype), start)
         # Named scopes put the attention core and the gating in op names ("self_attn", "mlp"), as
         # the projections are (profiles; benchmarks/hlo.py attributes HBM traffic by them).
+        fused = cfg.attention_impl in flash.KERNELS and prefix is None and past is None
         with jax.named_scope(attn):
-            if cfg.attention_impl == "flash" and prefix is None and past is None:
-                out = _fused(query, key, value, own_mask).astype(dtype)
+            if fused:
+                out = _fused(query, key, value, own_mask, cfg.attention_impl).astype(dtype)
             else:
                 out = _attend(query, (key, value, own_mask), prefix).astype(dtype)
-        x = x + _dense(cfg.hidden_size, cfg.attention_bias, cfg, f"{attn}_o_proj")(out)
+        if not (fused and cfg.attention_impl == "splash"):  # splash names its own output
+            out = remat.name(out, remat.ATTENTION)
+        out = _dense(cfg.hidden_size, cfg.attention_bias, cfg, f"{attn}_o_proj")(out)
+        x = x + remat.name(out, remat.ATTENTION_PROJECTION)
 
         y = norm(name="post_attention_layernorm")(x)
         gate = _dense(cfg.intermediate_size, cfg.mlp_bias, cfg, "mlp_gate_proj")(y)
         up = _dense(cfg.intermediate_size, cfg.mlp_bias, cfg, "mlp_up_proj")(y)
         with jax.named_scope("mlp"):
             y = layers.activation(cfg.hidden_act)(gate) * up
-        x = x + _dense(cfg.hidden_size, cfg.mlp_bias, cfg, "mlp_down_proj")(y)
-        return x, (key, value)
+        y = _dense(cfg.hidden_size, cfg.mlp_bias, cfg, "mlp_down_proj")(y)
+        return x + remat.name(y, remat.FFN_OUTPUT), (key, value)
 
 
 class _Head(nn.Module):
@@ -374,7 +392,10 @@ class Llama(nn.Module):
         )
         layer = DecoderLayer
         if cfg.remat:
-            layer = nn.remat(DecoderLayer)
+            policy = remat.checkpoint_policy(cfg.remat_policy)
+            layer = (
+                nn.remat(DecoderLayer) if policy is None else nn.remat(DecoderLayer, policy=policy)
+            )
         self.layers = [layer(cfg, name=f"layers_{i}") for i in range(cfg.num_hidden_layers)]
         self.norm = RMSNorm(
             cfg.rms_norm_eps, dtype=jnp.dtype(cfg.dtype), param_dtype=jnp.dtype(cfg.param_dtype)
@@ -396,9 +417,9 @@ class Llama(nn.Module):
         Without a past, each token sees the row's earlier real tokens (causal and key padding,
         plus itself, so a padding row is never fully masked) and the prefix. With a past, the T
         tokens are written at `past_index` and see the past slots before them and themselves.
-        With `attention_impl="flash"`, no prefix and no past, the kernel computes it (a padding
-        token then reads the real tokens before it instead of itself: its output differs, and is
-        ignored).
+        With `attention_impl` "flash" or "splash", no prefix and no past, the kernel computes it
+        (a padding token then reads the real tokens before it instead of itself: its output
+        differs, and is ignored).
 
         Args:
           input_ids: [R, T] int.
@@ -425,7 +446,7 @@ class Llama(nn.Module):
         dtype = jnp.dtype(cfg.dtype)
         cos, sin = jnp.cos(angles).astype(dtype), jnp.sin(angles).astype(dtype)
         query_pos = jnp.arange(length)
-        if cfg.attention_impl == "flash" and prefix is None and past is None:
+        if cfg.attention_impl in flash.KERNELS and prefix is None and past is None:
             own_mask = attention_mask.astype(bool)  # key padding; causality is the kernel's
         elif past is None:
             keys = attention_mask.astype(bool)[:, None, None, None, :]  # [R, 1, 1, 1, T]

@@ -62,6 +62,7 @@ _RUNTIME_FIELDS = (
     "dtype",
     "param_dtype",
     "remat",
+    "remat_policy",
     "hidden_dropout_prob",
     "attention_probs_dropout_prob",
     "initializer_range",

@@ -243,7 +243,8 @@ def _model_settings(config, cfg: rag.RagConfig, p_cfg: bert.BertConfig, params: 
         params = dict(params, generator=generator)
     # Both towers' vector: [CLS] (DPR) or the mean over tokens, normalised or not.
     pooling = dict(pooling=m.pooling, normalize=m.normalize_embeddings)
-    impl = dict(attention_impl=m.attention_impl)  # one attention for every tower
+    # One attention and one remat policy for every tower.
+    impl = dict(attention_impl=m.attention_impl, remat_policy=m.remat_policy)
     cfg = cfg.replace(
         question_encoder=cfg.question_encoder.replace(**pooling, **impl),
         generator=cfg.generator.replace(**impl),

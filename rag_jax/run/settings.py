@@ -80,10 +80,19 @@ SCHEMA: dict[str, dict[str, tuple]] = {
         ),
         "dtype": ("float32", "compute dtype: float32 | bfloat16 (parameters stay float32)"),
         "remat": (False, "rematerialise layers in the backward pass"),
+        "remat_policy": (
+            "full",
+            "with remat, what each layer keeps for the backward pass (rag_jax.models.remat): "
+            "full (nothing: its whole forward recomputed) | attention (q, k, v and the attention "
+            "output; under splash its residuals) | projections (every projection's output but "
+            "the feed-forward's hidden one) | attention_and_projections (both) | dots (every "
+            "projection's output)",
+        ),
         "attention_impl": (
             "xla",
-            "every tower's attention: xla (exact against HF) | flash (the Pallas TPU kernel, "
-            "rag_jax.models.flash; refuses attention dropout in training)",
+            "every tower's attention: xla (exact against HF) | flash | splash (Pallas TPU "
+            "kernels, rag_jax.models.flash and rag_jax.models.splash; they refuse attention "
+            "dropout in training)",
         ),
         "deterministic": (
             True,

@@ -14,7 +14,7 @@ import ml_collections
 
 from rag_jax.devices import sharding
 from rag_jax.io import hf_format
-from rag_jax.models import bart
+from rag_jax.models import bart, flash, remat
 from rag_jax.run.settings import SCHEMA, unknown_key_message
 
 
@@ -169,7 +169,8 @@ def _check_choices(config: ml_collections.ConfigDict) -> None:
         ("retrieval.passage_format", config.retrieval.passage_format, ("pair", "single")),
         ("train.optimizer", config.train.optimizer, ("adamw", "sgd")),
         ("train.optimizer_impl", config.train.optimizer_impl, ("optax", "fused")),
-        ("model.attention_impl", config.model.attention_impl, ("xla", "flash")),
+        ("model.attention_impl", config.model.attention_impl, flash.IMPLS),
+        ("model.remat_policy", config.model.remat_policy, remat.POLICIES),
         ("train.decay", config.train.decay, ("linear", "polynomial", "constant")),
         ("eval.sequence_decoding", config.eval.sequence_decoding, ("thorough", "fast")),
         ("train.param_sharding", config.train.param_sharding, ("replicated", "fsdp")),

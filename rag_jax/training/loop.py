@@ -333,7 +333,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir) -> dict:
         # training.inputs.context_width and label_width
         contexts = batch.arrays.get("context_input_ids")  # none with an answer memo
         width = (0 if contexts is None else contexts.shape[-1], batch.arrays["labels"].shape[-1])
-        # Pallas kernels (model.attention_impl="flash") are split over the mesh they are
+        # Pallas kernels (model.attention_impl "flash" or "splash") are split over the mesh they are
         # traced under.
         kernels = flash.tracing_mesh(config.model.attention_impl, mesh)
         with jax.transfer_guard("disallow"), kernels:

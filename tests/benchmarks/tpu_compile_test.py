@@ -20,7 +20,7 @@ import sys
 import jax
 import pytest
 
-from benchmarks import aot, hbm_fit, tpu_topology
+from benchmarks import aot, attention_traffic, hbm_fit, tpu_topology
 from benchmarks.flops import causal_train_flops
 from rag_jax.devices import device_memory, sharding
 from rag_jax.training import loop
@@ -273,3 +273,70 @@ def test_flash_attention_runs_as_tpu_kernels(target, tmp_path):
     assert q.num_attention_heads == g.encoder_attention_heads == g.decoder_attention_heads
     lengths = {p.rag_cfg.max_combined_length, config.data.answer_length}
     assert _score_arrays(text, q.num_attention_heads, lengths) == []
+
+
+def _custom_calls(text: str) -> int:
+    return text.count('custom_call_target="tpu_custom_call"')
+
+
+@pytest.fixture(scope="module")
+def splash_programs(target, tmp_path_factory):
+    """model.attention_impl=splash (fused optimizer, remat): the train step with the remat policy
+    "attention", which keeps the kernel's residuals, and with "projections", which does not."""
+    out = {}
+    for policy in ("attention", "projections"):
+        config = _config(**{"model.attention_impl": "splash", "train.optimizer_impl": "fused",
+                            "model.remat": True, "model.remat_policy": policy})  # fmt: skip
+        p = aot.plan(config)
+        folder = tmp_path_factory.mktemp(policy)
+        row = aot.train_row(p, target, 8, in_step=False, hlo_dir=folder)
+        (path,) = folder.glob("*.hlo.txt.gz")
+        out[policy] = (p, config, row, gzip.open(path, "rt").read())
+    return out
+
+
+def test_splash_attention_runs_as_tpu_kernels(splash_programs):
+    """Every attention of the step is the splash kernel's TPU custom calls (forward, dQ, dK/dV),
+    no [.., h, S, S] (or decoder [.., h, T, T], cross [.., h, T, S]) array is left in the
+    program, and under remat the policy decides whether the forward kernel runs again in the
+    backward pass: not with "attention" (its output and log-sum-exp kept), once more with
+    "projections"."""
+    for policy, forward_again in (("attention", 0), ("projections", 1)):
+        p, config, row, text = splash_programs[policy]
+        assert row["fits"] and row["remat_policy"] == policy, row
+        q, g = p.rag_cfg.question_encoder, p.rag_cfg.generator
+        attentions = q.num_hidden_layers + g.encoder_layers + 2 * g.decoder_layers
+        assert _custom_calls(text) == (3 + forward_again) * attentions, policy
+        assert q.num_attention_heads == g.encoder_attention_heads == g.decoder_attention_heads
+        # As for flash, the lengths as the model has them: the kernel pads them to 128 inside, and
+        # here its log-sum-exp, written broadcast over 128 lanes ([.., h, 128, 128] with the
+        # padded length), cannot be told from a padded score array by its shape.
+        lengths = {p.rag_cfg.max_combined_length, config.data.answer_length}
+        assert _score_arrays(text, q.num_attention_heads, lengths) == [], policy
+        # The attention's traffic split by kind adds up to the report's attention part.
+        split = attention_traffic.split(text)
+        assert sum(split.values()) == pytest.approx(row["bytes"]["hbm_by_part"]["attention"])
+        assert split["kernel calls"] > 0 and split["projections"] > 0, split
+
+
+def test_the_recompute_count_follows_the_remat_policy(splash_programs):
+    """What "attention" recomputes beyond "projections" (the output projections and the
+    feed-forward's last matrices), counted by hand from the shapes, against the compiled
+    programs' own matmuls, and against `benchmarks.flops`' recompute counts, which also know
+    that "projections" runs the kernel's forward pass again (its matmuls, inside a custom call,
+    are not in the HLO)."""
+    p, config, row, _ = splash_programs["attention"]
+    q, g, b = p.rag_cfg.question_encoder, p.rag_cfg.generator, row["per_chip_batch"]
+    s, t, n = p.rag_cfg.max_combined_length, config.data.answer_length, p.rag_cfg.n_docs
+    questions, contexts, targets = b * config.data.question_length, b * n * s, b * n * t
+    h, d = q.hidden_size, g.d_model
+    more = q.num_hidden_layers * questions * 2 * h * (h + q.intermediate_size)
+    more += g.encoder_layers * contexts * 2 * d * (d + g.encoder_ffn_dim)
+    more += g.decoder_layers * targets * 2 * d * (2 * d + g.decoder_ffn_dim)  # self, cross
+    kernel_forward = q.num_hidden_layers * questions * 4 * config.data.question_length * h
+    kernel_forward += g.encoder_layers * contexts * 4 * s * d
+    kernel_forward += g.decoder_layers * targets * 4 * (t + s) * d
+    attention, projections = (splash_programs[k][2]["flops"] for k in ("attention", "projections"))
+    assert attention["model"] == projections["model"]
+    assert attention["hlo_matmuls"] - projections["hlo_matmuls"] == pytest.approx(more, rel=1e-3)
+    assert attention["recompute"] - projections["recompute"] == more - kernel_forward

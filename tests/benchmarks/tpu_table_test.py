@@ -73,6 +73,18 @@ def test_compiles_of_other_kernels_or_another_generator_are_not_fitted_together(
     assert "| replicated | on |" in line
 
 
+def test_a_remat_policy_other_than_full_tells_compiles_apart():
+    full = {"target": TARGET, "train": [dict(_row(128, 14 * GIB), remat_policy="full")],
+            "generate": []}  # fmt: skip
+    policy = dict(_row(256, 15 * GIB), attention_impl="splash", remat_policy="projections")
+    splash = {"target": TARGET, "train": [policy], "generate": []}
+    assert tpu_table.largest_rows([full, splash]) == []  # two settings, one compile each
+    (line,) = tpu_table.train_rows(splash, steps=1)
+    assert "| replicated, splash attention, remat policy projections | on |" in line
+    (line,) = tpu_table.train_rows(full, steps=1)
+    assert "| replicated | on |" in line
+
+
 def test_main_prints_the_tables(tmp_path, capsys):
     largest = {"rows": [{"batch": 64, "needed_bytes": 12 * GIB, "fits": True}]}
     report = {"target": TARGET, "train": [_row(128, 14 * GIB, largest=largest)], "generate": []}

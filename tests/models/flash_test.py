@@ -16,6 +16,7 @@ from jax.sharding import Mesh
 from rag_jax.models import bart, bert, flash, layers, llama
 
 TOL = 1e-5  # float32, simple ops: relative to the largest magnitude of the XLA path's values
+IMPLS = ("xla", "flash")  # splash has its own tests (splash_test.py)
 
 
 def _close(got, want, tol=TOL):
@@ -38,7 +39,7 @@ def _attention(impl, causal=False, cross=False):
 
 def _compare_attention(x, kv, mask, weights, causal=False, cross=False):
     """Output and gradients (parameters and inputs) of both paths; the loss weighs each output."""
-    model = {impl: _attention(impl, causal, cross) for impl in flash.IMPLS}
+    model = {impl: _attention(impl, causal, cross) for impl in IMPLS}
     params = model["xla"].init(jax.random.PRNGKey(0), x, kv, mask)
 
     def loss(impl, params, x, kv):
@@ -47,7 +48,7 @@ def _compare_attention(x, kv, mask, weights, causal=False, cross=False):
 
     results = {}
     with pltpu.force_tpu_interpret_mode():
-        for impl in flash.IMPLS:
+        for impl in IMPLS:
             argnums = (0, 1) if kv is None else (0, 1, 2)
             fn = jax.value_and_grad(lambda *a, impl=impl: loss(impl, *a), argnums, has_aux=True)
             (_, out), grads = jax.jit(fn)(params, x, kv)
@@ -151,7 +152,7 @@ def test_bert_and_bart_towers_with_flash_equal_xla():
 
     results = {}
     with pltpu.force_tpu_interpret_mode():
-        for impl in flash.IMPLS:
+        for impl in IMPLS:
             fn = jax.value_and_grad(lambda *a, impl=impl: losses(impl, *a), (0, 1), has_aux=True)
             results[impl] = jax.jit(fn)(b_params, g_params)
     _close(results["flash"], results["xla"])
@@ -178,7 +179,7 @@ def test_llama_decoder_with_flash_equals_xla_on_real_tokens(kv_heads):
 
     results = {}
     with pltpu.force_tpu_interpret_mode():
-        for impl in flash.IMPLS:
+        for impl in IMPLS:
             fn = jax.value_and_grad(lambda p, impl=impl: loss(impl, p), has_aux=True)
             results[impl] = jax.jit(fn)(params)
     _close(results["flash"], results["xla"])
