@@ -139,17 +139,25 @@ def attention(
             f"query {query.shape}, key {key.shape} and value {value.shape} must be [B, h, T, d], "
             "[B, h, S, d], [B, h, S, d]"
         )
+    return over_batch(
+        "flash", functools.partial(_padded, causal=causal), query, key, value, key_mask, causal
+    )
+
+
+def over_batch(kernel_name: str, run, query, key, value, key_mask, causal: bool) -> jax.Array:
+    """`run(query, key, value, key_mask)` after the checks both kernels share (the mask's shape,
+    causal lengths), in `jax.shard_map` over the batch when a mesh is set (split over every mesh
+    axis: XLA does not partition Mosaic kernels), as it is without one."""
     if key_mask.shape != key.shape[:1] + key.shape[2:3]:
         raise ValueError(f"key_mask {key_mask.shape} must be [B, S] for key {key.shape}")
     if causal and query.shape[2] != key.shape[2]:
         raise ValueError(f"causal attention needs T = S, got query {query.shape}, key {key.shape}")
-    run = functools.partial(_padded, causal=causal)
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or mesh.size == 1:
         return run(query, key, value, key_mask)
     if query.shape[0] % mesh.size:
         raise ValueError(
-            f"flash attention splits its batch of {query.shape[0]} rows over the mesh's "
+            f"{kernel_name} attention splits its batch of {query.shape[0]} rows over the mesh's "
             f"{mesh.size} devices: the rows must be a multiple of them"
         )
     rows = P(mesh.axis_names)

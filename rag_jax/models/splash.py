@@ -42,9 +42,8 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental.pallas.ops.tpu import splash_attention as kernel
-from jax.sharding import PartitionSpec as P
 
-from rag_jax.models import remat
+from rag_jax.models import flash, remat
 
 # Key and query blocks of 128 (the lane width: the kernel's segment ids need multiples of it).
 KEY_BLOCK = 128
@@ -140,20 +139,5 @@ def attention(
             f"query {query.shape}, key {key.shape} and value {value.shape} must be [B, h, T, d], "
             "[B, g, S, d], [B, g, S, d] with g dividing h"
         )
-    if key_mask.shape != key.shape[:1] + key.shape[2:3]:
-        raise ValueError(f"key_mask {key_mask.shape} must be [B, S] for key {key.shape}")
-    if causal and query.shape[2] != key.shape[2]:
-        raise ValueError(f"causal attention needs T = S, got query {query.shape}, key {key.shape}")
     run = functools.partial(_padded, causal=causal)
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or mesh.size == 1:
-        return run(query, key, value, key_mask)
-    if query.shape[0] % mesh.size:
-        raise ValueError(
-            f"splash attention splits its batch of {query.shape[0]} rows over the mesh's "
-            f"{mesh.size} devices: the rows must be a multiple of them"
-        )
-    rows = P(mesh.axis_names)
-    return jax.shard_map(run, in_specs=(rows,) * 4, out_specs=rows, check_vma=False)(
-        query, key, value, key_mask
-    )
+    return flash.over_batch("splash", run, query, key, value, key_mask, causal)
