@@ -90,11 +90,14 @@ def _block_sizes(query_len: int) -> kernel.BlockSizes:
     )
 
 
-def _padded(query, key, value, key_mask, causal):
-    """The kernel on one device's rows, lengths padded to its blocks and sliced back."""
+def padded_to_blocks(query, key, value, key_mask, query_multiple: int, key_multiple: int):
+    """The kernels' inputs padded to their blocks: (query, key, value, query ids, key ids),
+    lengths rounded up to `query_multiple` and `key_multiple`; real queries get id 1, real keys
+    1 and key padding 0 (from `key_mask`), padded rows PAD_QUERY_ID and padded keys PAD_KEY_ID,
+    so no query reads a padded key."""
     length, source = query.shape[2], key.shape[2]
-    t_pad = _round_up(length, SUBLANES if length <= QUERY_BLOCK else QUERY_BLOCK) - length
-    s_pad = _round_up(source, KEY_BLOCK) - source
+    t_pad = _round_up(length, query_multiple) - length
+    s_pad = _round_up(source, key_multiple) - source
     q_ids = jnp.ones(query.shape[:1] + (length,), jnp.int32)
     kv_ids = key_mask.astype(jnp.int32)
     if t_pad:
@@ -104,6 +107,16 @@ def _padded(query, key, value, key_mask, causal):
         key = jnp.pad(key, ((0, 0), (0, 0), (0, s_pad), (0, 0)))
         value = jnp.pad(value, ((0, 0), (0, 0), (0, s_pad), (0, 0)))
         kv_ids = jnp.pad(kv_ids, ((0, 0), (0, s_pad)), constant_values=PAD_KEY_ID)
+    return query, key, value, q_ids, kv_ids
+
+
+def _padded(query, key, value, key_mask, causal):
+    """The kernel on one device's rows, lengths padded to its blocks and sliced back."""
+    length = query.shape[2]
+    multiple = SUBLANES if length <= QUERY_BLOCK else QUERY_BLOCK
+    query, key, value, q_ids, kv_ids = padded_to_blocks(
+        query, key, value, key_mask, multiple, KEY_BLOCK
+    )
     out = kernel.flash_attention(
         query,
         key,
@@ -111,7 +124,7 @@ def _padded(query, key, value, key_mask, causal):
         segment_ids=kernel.SegmentIds(q_ids, kv_ids),
         causal=causal,
         sm_scale=1.0,
-        block_sizes=_block_sizes(length + t_pad),
+        block_sizes=_block_sizes(query.shape[2]),
     )
     return out[:, :, :length]
 

@@ -40,7 +40,6 @@ import contextvars
 import functools
 
 import jax
-import jax.numpy as jnp
 from jax.experimental.pallas.ops.tpu import splash_attention as kernel
 
 from rag_jax.models import flash, remat
@@ -48,9 +47,6 @@ from rag_jax.models import flash, remat
 # Key and query blocks of 128 (the lane width: the kernel's segment ids need multiples of it).
 KEY_BLOCK = 128
 QUERY_BLOCK = 128
-# Segment ids of the rows and keys padded to the kernel's blocks.
-PAD_QUERY_ID = -1
-PAD_KEY_ID = -2
 # Whether kernels traced now run in Pallas's interpreter (`interpreted`).
 _INTERPRET = contextvars.ContextVar("splash_interpret", default=False)
 
@@ -63,10 +59,6 @@ def interpreted():
         yield
     finally:
         _INTERPRET.reset(token)
-
-
-def _round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
 
 
 def _kernel(heads: int, length: int, source: int, causal: bool):
@@ -96,19 +88,11 @@ def _kernel(heads: int, length: int, source: int, causal: bool):
 
 def _padded(query, key, value, key_mask, causal):
     """The kernel on one device's rows, lengths padded to its blocks and sliced back."""
-    heads, length, source = query.shape[1], query.shape[2], key.shape[2]
-    t_pad = _round_up(length, QUERY_BLOCK) - length
-    s_pad = _round_up(source, KEY_BLOCK) - source
-    q_ids = jnp.ones(query.shape[:1] + (length,), jnp.int32)
-    kv_ids = key_mask.astype(jnp.int32)
-    if t_pad:
-        query = jnp.pad(query, ((0, 0), (0, 0), (0, t_pad), (0, 0)))
-        q_ids = jnp.pad(q_ids, ((0, 0), (0, t_pad)), constant_values=PAD_QUERY_ID)
-    if s_pad:
-        key = jnp.pad(key, ((0, 0), (0, 0), (0, s_pad), (0, 0)))
-        value = jnp.pad(value, ((0, 0), (0, 0), (0, s_pad), (0, 0)))
-        kv_ids = jnp.pad(kv_ids, ((0, 0), (0, s_pad)), constant_values=PAD_KEY_ID)
-    splash = _kernel(heads, length + t_pad, source + s_pad, causal)
+    length = query.shape[2]
+    query, key, value, q_ids, kv_ids = flash.padded_to_blocks(
+        query, key, value, key_mask, QUERY_BLOCK, KEY_BLOCK
+    )
+    splash = _kernel(query.shape[1], query.shape[2], key.shape[2], causal)
     out = jax.vmap(splash)(query, key, value, kernel.SegmentIds(q_ids, kv_ids))
     return out[:, :, :length]
 
