@@ -53,8 +53,9 @@ RECOMPUTED = {
 # The share of the attention core that the policies keeping the attention's output ("attention",
 # "attention_and_projections") run again, by attention_impl: the
 # XLA path its scores (the mixing's output is saved), the flash kernel its forward pass (for its
-# softmax statistics, which no policy can keep), the splash kernel nothing (its residuals kept).
-ATTENTION_POLICY_CORE = {"xla": 0.5, "flash": 1.0, "splash": 0.0}
+# softmax statistics, which no policy can keep), the splash kernel nothing (its residuals kept),
+# the inplace kernel nothing (its backward pass reads q, k, v and recomputes the rest itself).
+ATTENTION_POLICY_CORE = {"xla": 0.5, "flash": 1.0, "splash": 0.0, "inplace": 0.0}
 
 
 def _recomputed(parts: dict, cfg) -> float:

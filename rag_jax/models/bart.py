@@ -75,9 +75,9 @@ class BartConfig:
     # What a rematerialised layer keeps (`models.remat`): full | attention | projections |
     # attention_and_projections | dots; read only with `remat`.
     remat_policy: str = "full"
-    # Attention: "xla" (exact against HF) | "flash" | "splash" (Pallas TPU kernels, `models.flash`,
-    # `models.splash`; no attention-probability dropout in training; decoding with the cache
-    # stays on XLA).
+    # Attention: "xla" (exact against HF) | "flash" | "splash" | "inplace" (Pallas TPU kernels,
+    # `models.flash`, `models.splash`, `models.inplace`; no attention-probability dropout in
+    # training; decoding with the cache stays on XLA).
     attention_impl: str = "xla"
 
     def __post_init__(self):

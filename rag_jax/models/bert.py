@@ -56,8 +56,9 @@ class BertConfig:
     # What a rematerialised layer keeps (`models.remat`): full | attention | projections |
     # attention_and_projections | dots; read only with `remat`.
     remat_policy: str = "full"
-    # Attention: "xla" (exact against HF) | "flash" | "splash" (Pallas TPU kernels, `models.flash`,
-    # `models.splash`; no attention-probability dropout in training).
+    # Attention: "xla" (exact against HF) | "flash" | "splash" | "inplace" (Pallas TPU kernels,
+    # `models.flash`, `models.splash`, `models.inplace`; no attention-probability dropout in
+    # training).
     attention_impl: str = "xla"
 
     @property

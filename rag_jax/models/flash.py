@@ -25,6 +25,7 @@ Legend: B batch, h heads, T query length, S key length, d head width.
 """
 
 import contextlib
+import contextvars
 import functools
 
 import jax
@@ -33,9 +34,9 @@ from jax.experimental.pallas.ops.tpu import flash_attention as kernel
 from jax.sharding import PartitionSpec as P
 
 # Every attention implementation (`model.attention_impl`): XLA's, and the Pallas TPU kernels of
-# this module and of `models.splash`.
-IMPLS = ("xla", "flash", "splash")
-KERNELS = ("flash", "splash")
+# this module, of `models.splash` and of `models.inplace`.
+IMPLS = ("xla", "flash", "splash", "inplace")
+KERNELS = ("flash", "splash", "inplace")
 # The kernel's key blocks hold 128 keys (its lane width; segment ids need a multiple of it).
 KEY_BLOCK = 128
 # Query blocks: the query length rounded up to 8 sublanes, at most 128 rows.
@@ -44,6 +45,25 @@ SUBLANES = 8
 # Segment ids of the rows and keys padded to the kernel's blocks.
 PAD_QUERY_ID = -1
 PAD_KEY_ID = -2
+
+
+# Whether kernels traced now run in Pallas's interpreter (`interpreted`).
+_INTERPRET = contextvars.ContextVar("kernels_interpret", default=False)
+
+
+@contextlib.contextmanager
+def interpreted():
+    """The splash and inplace kernels traced inside run in Pallas's interpreter, forward and
+    backward (on CPU)."""
+    token = _INTERPRET.set(True)
+    try:
+        yield
+    finally:
+        _INTERPRET.reset(token)
+
+
+def interpreting() -> bool:
+    return _INTERPRET.get()
 
 
 def check_impl(impl: str) -> None:
@@ -165,15 +185,21 @@ def over_batch(kernel_name: str, run, query, key, value, key_mask, causal: bool)
         raise ValueError(f"key_mask {key_mask.shape} must be [B, S] for key {key.shape}")
     if causal and query.shape[2] != key.shape[2]:
         raise ValueError(f"causal attention needs T = S, got query {query.shape}, key {key.shape}")
+    return on_rows(kernel_name, run, query, key, value, key_mask)
+
+
+def on_rows(kernel_name: str, run, *arrays: jax.Array):
+    """`run(*arrays)`, in `jax.shard_map` over the arrays' first axis (their rows) when a mesh is
+    set, split over every mesh axis (XLA does not partition Mosaic kernels); as it is without."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or mesh.size == 1:
-        return run(query, key, value, key_mask)
-    if query.shape[0] % mesh.size:
+        return run(*arrays)
+    if arrays[0].shape[0] % mesh.size:
         raise ValueError(
-            f"{kernel_name} attention splits its batch of {query.shape[0]} rows over the mesh's "
-            f"{mesh.size} devices: the rows must be a multiple of them"
+            f"{kernel_name} attention splits its batch of {arrays[0].shape[0]} rows over the "
+            f"mesh's {mesh.size} devices: the rows must be a multiple of them"
         )
     rows = P(mesh.axis_names)
-    return jax.shard_map(run, in_specs=(rows,) * 4, out_specs=rows, check_vma=False)(
-        query, key, value, key_mask
+    return jax.shard_map(run, in_specs=(rows,) * len(arrays), out_specs=rows, check_vma=False)(
+        *arrays
     )

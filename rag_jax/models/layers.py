@@ -16,7 +16,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from rag_jax.models import flash, remat, splash
+from rag_jax.models import flash, inplace, remat, splash
 
 # Large negative logit for masked attention positions; finite so that a fully masked row gives a
 # uniform (not NaN) distribution, as in the PyTorch reference.
@@ -121,8 +121,9 @@ class Attention(nn.Module):
     Create the cache by calling the model once with `decode=True` and `mutable=["cache"]` on an
     input of the full decode length; that first call does not write to it.
 
-    With `impl="flash"` or `"splash"` the softmax and both matmuls run in a Pallas kernel
-    (`models.flash`, `models.splash`),
+    With `impl="flash"`, `"splash"` or `"inplace"` the softmax and both matmuls run in a Pallas
+    kernel (`models.flash`, `models.splash`, `models.inplace`; the last reads the projections'
+    [.., H] layout as it is),
     forward and backward, except in decode mode (a cached query or a few reading the cache,
     where the scores are [.., h, 1, L] and the XLA path stays). The kernel reads `mask` as what
     the models build: a key-padding mask [.., 1, 1, S] (`padding_mask`), or, with `causal`,
@@ -136,7 +137,8 @@ class Attention(nn.Module):
     dropout_rate: float = 0.0
     cross: bool = False
     decode: bool = False
-    # "xla" (the default, exact against HF) | "flash" | "splash" (Pallas TPU kernels, see above).
+    # "xla" (the default, exact against HF) | "flash" | "splash" | "inplace" (Pallas TPU kernels,
+    # see above).
     impl: str = "xla"
     # The mask is causal (decoder self-attention); only the kernel paths read this.
     causal: bool = False
@@ -174,7 +176,11 @@ class Attention(nn.Module):
         scale = jnp.asarray((self.hidden // self.num_heads) ** -0.5, self.dtype)
         # The remat names mark the [.., H] projections (no head axis of width d padded to the
         # TPU's 128 lanes when a policy keeps them).
-        query = self._split(remat.name(proj("query")(x), remat.QUERY) * scale)  # -> [B, T, h, d]
+        query = remat.name(proj("query")(x), remat.QUERY) * scale
+        flash.check_impl(self.impl)
+        if self.impl == "inplace" and not self.decode:
+            return self._project_out(proj, self._inplace(query, x, kv, proj, mask, deterministic))
+        query = self._split(query)  # -> [B, T, h, d]
         if self.cross and self.decode:
             key, value = self._cross_cache(kv, proj)
         else:
@@ -182,7 +188,6 @@ class Attention(nn.Module):
             key, value = self._head_major(proj, source)  # -> [..., h, d, S], [..., h, S, d]
             if self.decode:
                 key, value, mask = self._self_cache(key, value, length)
-        flash.check_impl(self.impl)
         if self.impl in flash.KERNELS and not self.decode:
             out = self._kernel(query, key, value, mask, deterministic)  # -> [B, T, h, d]
             return self._project_out(proj, out.reshape(batch, length, self.hidden))
@@ -251,12 +256,59 @@ class Attention(nn.Module):
         )
         batch, length = query.shape[:2]
         lead, source = key.shape[:-3], key.shape[-1]
+        rows, group = self._rows(batch, lead)
+        key_mask = self._key_mask(mask, lead, source)
+        # The k query rows of a group become extra query positions of their key/value row.
+        inner = lead[1] if len(lead) == 2 else 1
+        q = query.reshape(rows // inner, group, inner, length, self.num_heads, -1)
+        q = q.transpose(0, 2, 4, 1, 3, 5)  # -> [G, m, h, k, T, d]
+        q = q.reshape(rows, self.num_heads, group * length, -1)  # -> [G * m, h, k * T, d]
+        k = jnp.swapaxes(key, -1, -2).reshape(rows, self.num_heads, source, -1)  # [G*m, h, S, d]
+        v = value.reshape(rows, self.num_heads, source, -1)
+        fused = splash.attention if self.impl == "splash" else flash.attention
+        out = fused(q, k, v, key_mask, self.causal)  # -> [G * m, h, k * T, d]
+        out = out.reshape(rows // inner, inner, self.num_heads, group, length, -1)
+        out = out.transpose(0, 3, 1, 4, 2, 5)  # -> [G, k, m, T, h, d]
+        return out.reshape(batch, length, self.num_heads, -1)
+
+    def _inplace(self, query, x, kv, proj, mask, deterministic) -> jax.Array:
+        """The inplace kernel's attention (`models.inplace`) of `query` [B, T, H] (scaled) over
+        the projections of `kv` (or `x`), all in the projections' [.., H] layout; returns
+        [B, T, H]."""
+        flash.check_no_dropout(
+            self.dropout_rate,
+            deterministic,
+            "the attention dropout (attention_probs_dropout_prob, attention_dropout)",
+            self.impl,
+        )
+        batch, length = query.shape[:2]
+        key, value = self._key_value(proj, x if kv is None else kv)  # -> [..., S, H]
+        lead, source = key.shape[:-2], key.shape[-2]
+        rows, group = self._rows(batch, lead)
+        key_mask = self._key_mask(mask, lead, source)
+        # The k query rows of a group become extra query positions of their key/value row.
+        inner = lead[1] if len(lead) == 2 else 1
+        q = query.reshape(rows // inner, group, inner, length, self.hidden)
+        q = q.transpose(0, 2, 1, 3, 4).reshape(rows, group * length, self.hidden)
+        key, value = (y.reshape(rows, source, self.hidden) for y in (key, value))
+        out = inplace.attention(q, key, value, key_mask, self.num_heads, self.causal)
+        out = out.reshape(rows // inner, inner, group, length, self.hidden)
+        return out.transpose(0, 2, 1, 3, 4).reshape(batch, length, self.hidden)
+
+    def _rows(self, batch: int, lead: tuple) -> tuple[int, int]:
+        """The key/value rows of leading dims `lead` and the query rows that share each."""
         rows = math.prod(lead)
         group = batch // rows
         if group * rows != batch:
             raise ValueError(
-                f"query rows {query.shape} are not a multiple of the key/value rows {lead}"
+                f"query rows ({batch}) are not a multiple of the key/value rows {lead}"
             )
+        if self.causal and group != 1:
+            raise ValueError("causal attention reads its own keys: no key/value sharing")
+        return rows, group
+
+    def _key_mask(self, mask, lead: tuple, source: int) -> jax.Array:
+        """The kernels' key-padding mask [rows, S] from the models' `mask`."""
         if mask is None:
             key_mask = jnp.ones(lead + (source,), bool)
         elif self.causal:
@@ -268,29 +320,14 @@ class Attention(nn.Module):
                 f"attention_impl={self.impl!r} reads a key-padding mask [.., 1, 1, S] (or, causal, "
                 f"causal_mask and-ed with one); got a mask of shape {mask.shape}"
             )
-        key_mask = jnp.broadcast_to(key_mask, lead + (source,)).reshape(rows, source)
-        # The k query rows of a group become extra query positions of their key/value row.
-        inner = lead[1] if len(lead) == 2 else 1
-        q = query.reshape(rows // inner, group, inner, length, self.num_heads, -1)
-        q = q.transpose(0, 2, 4, 1, 3, 5)  # -> [G, m, h, k, T, d]
-        q = q.reshape(rows, self.num_heads, group * length, -1)  # -> [G * m, h, k * T, d]
-        k = jnp.swapaxes(key, -1, -2).reshape(rows, self.num_heads, source, -1)  # [G*m, h, S, d]
-        v = value.reshape(rows, self.num_heads, source, -1)
-        if self.causal and group != 1:
-            raise ValueError("causal attention reads its own keys: no key/value sharing")
-        fused = splash.attention if self.impl == "splash" else flash.attention
-        out = fused(q, k, v, key_mask, self.causal)  # -> [G * m, h, k * T, d]
-        out = out.reshape(rows // inner, inner, self.num_heads, group, length, -1)
-        out = out.transpose(0, 3, 1, 4, 2, 5)  # -> [G, k, m, T, h, d]
-        return out.reshape(batch, length, self.num_heads, -1)
+        return jnp.broadcast_to(key_mask, lead + (source,)).reshape(math.prod(lead), source)
 
     def _split(self, y: jax.Array) -> jax.Array:
         """[..., S, H] -> [..., S, h, d]."""
         return y.reshape(y.shape[:-1] + (self.num_heads, self.hidden // self.num_heads))
 
-    def _head_major(self, proj, source: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """Projected keys [..., h, d, S] and values [..., h, S, d] of `source` [..., S, H]."""
-        lead = source.ndim - 2
+    def _key_value(self, proj, source: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Projected keys and values [..., S, H] of `source` [..., S, H], named for remat."""
         key_proj = KeyDense(
             self.hidden,
             dtype=self.dtype,
@@ -298,8 +335,15 @@ class Attention(nn.Module):
             kernel_init=nn.initializers.normal(self.init_std),
             name="key",
         )
-        key = self._split(remat.name(key_proj(source), remat.KEY))  # -> [..., S, h, d]
-        value = self._split(remat.name(proj("value")(source), remat.VALUE))
+        return (
+            remat.name(key_proj(source), remat.KEY),
+            remat.name(proj("value")(source), remat.VALUE),
+        )
+
+    def _head_major(self, proj, source: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Projected keys [..., h, d, S] and values [..., h, S, d] of `source` [..., S, H]."""
+        lead = source.ndim - 2
+        key, value = (self._split(y) for y in self._key_value(proj, source))  # [..., S, h, d]
         axes = tuple(range(lead))
         key = key.transpose(axes + (lead + 1, lead + 2, lead))  # -> [..., h, d, S]
         value = value.transpose(axes + (lead + 1, lead, lead + 2))  # -> [..., h, S, d]
@@ -388,7 +432,7 @@ class TransformerLayer(nn.Module):
     activation_dropout: float = 0.0
     cross: bool = False
     decode: bool = False
-    # Attention.impl of every attention of the layer ("xla" | "flash" | "splash").
+    # Attention.impl of every attention of the layer ("xla" | "flash" | "splash" | "inplace").
     attention_impl: str = "xla"
     dtype: jnp.dtype = jnp.float32
     param_dtype: jnp.dtype = jnp.float32

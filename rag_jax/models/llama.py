@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rag_jax.models import flash, layers, remat, splash
+from rag_jax.models import flash, inplace, layers, remat, splash
 
 # rope_scaling kinds computed here; any other is refused by name.
 ROPE_TYPES = ("default", "linear", "llama3")
@@ -73,9 +73,9 @@ class LlamaConfig:
     # What a rematerialised layer keeps (`models.remat`): full | attention | projections |
     # attention_and_projections | dots; read only with `remat`.
     remat_policy: str = "full"
-    # Attention: "xla" | "flash" | "splash" (Pallas TPU kernels, `models.flash`, `models.splash`,
-    # for rows attending to themselves alone: teacher forcing and prompts; with a prefix or a
-    # past it stays on XLA).
+    # Attention: "xla" | "flash" | "splash" | "inplace" (Pallas TPU kernels, `models.flash`,
+    # `models.splash`, `models.inplace`, for rows attending to themselves alone: teacher forcing
+    # and prompts; with a prefix or a past it stays on XLA).
     attention_impl: str = "xla"
 
     def __post_init__(self):
@@ -238,7 +238,8 @@ def _attend(query, own, prefix):
 def _fused(query, key, value, key_mask, impl):
     """Causal grouped-query attention of rows over their own keys in a kernel (`impl`: "flash",
     `models.flash`, which reads the key/value heads repeated for each query head; "splash",
-    `models.splash`, which reads the g heads as they are).
+    `models.splash`, which reads the g heads as they are; "inplace", `models.inplace`, which
+    reads [R, T, h * d] and repeats the key/value heads).
 
     Args:
       query: [R, T, h, d], scaled and rotated.
@@ -250,6 +251,10 @@ def _fused(query, key, value, key_mask, impl):
       kernel lets it read the real keys before it, the XLA path only itself), and is ignored.
     """
     rows, length, heads, width = query.shape
+    if impl == "inplace":  # [R, T, h * d] as it is; the keys and values back to [R, T, g * d]
+        key, value = (y.transpose(0, 2, 1, 3).reshape(rows, length, -1) for y in (key, value))
+        query = query.reshape(rows, length, heads * width)
+        return inplace.attention(query, key, value, key_mask, heads, causal=True)
     if impl == "splash":
         out = splash.attention(query.transpose(0, 2, 1, 3), key, value, key_mask, causal=True)
         return out.transpose(0, 2, 1, 3).reshape(rows, length, heads * width)

@@ -35,8 +35,6 @@ cannot be kept by a policy: under remat its forward pass always runs again).
 Legend: B batch, h heads, T query length, S key length, d head width.
 """
 
-import contextlib
-import contextvars
 import functools
 
 import jax
@@ -47,18 +45,8 @@ from rag_jax.models import flash, remat
 # Key and query blocks of 128 (the lane width: the kernel's segment ids need multiples of it).
 KEY_BLOCK = 128
 QUERY_BLOCK = 128
-# Whether kernels traced now run in Pallas's interpreter (`interpreted`).
-_INTERPRET = contextvars.ContextVar("splash_interpret", default=False)
-
-
-@contextlib.contextmanager
-def interpreted():
-    """Kernels traced inside run in Pallas's interpreter, forward and backward (on CPU)."""
-    token = _INTERPRET.set(True)
-    try:
-        yield
-    finally:
-        _INTERPRET.reset(token)
+# Kernels traced inside run in Pallas's interpreter (on CPU; shared with `models.inplace`).
+interpreted = flash.interpreted
 
 
 def _kernel(heads: int, length: int, source: int, causal: bool):
@@ -82,7 +70,7 @@ def _kernel(heads: int, length: int, source: int, causal: bool):
         head_shards=1,
         q_seq_shards=1,
         residual_checkpoint_name=remat.ATTENTION,
-        interpret=_INTERPRET.get(),
+        interpret=flash.interpreting(),
     )
 
 

@@ -280,29 +280,31 @@ def _custom_calls(text: str) -> int:
 
 
 @pytest.fixture(scope="module")
-def splash_programs(target, tmp_path_factory):
-    """model.attention_impl=splash (fused optimizer, remat): the train step with the remat policy
-    "attention", which keeps the kernel's residuals, and with "projections", which does not."""
+def kernel_programs(target, tmp_path_factory):
+    """The train step (fused optimizer, remat) with attention_impl "splash" and "inplace", each
+    with the remat policy "attention", which keeps the attention's output, and with
+    "projections", which does not: {(impl, policy): (plan, config, row, optimised HLO)}."""
     out = {}
-    for policy in ("attention", "projections"):
-        config = _config(**{"model.attention_impl": "splash", "train.optimizer_impl": "fused",
-                            "model.remat": True, "model.remat_policy": policy})  # fmt: skip
-        p = aot.plan(config)
-        folder = tmp_path_factory.mktemp(policy)
-        row = aot.train_row(p, target, 8, in_step=False, hlo_dir=folder)
-        (path,) = folder.glob("*.hlo.txt.gz")
-        out[policy] = (p, config, row, gzip.open(path, "rt").read())
+    for impl in ("splash", "inplace"):
+        for policy in ("attention", "projections"):
+            config = _config(**{"model.attention_impl": impl, "train.optimizer_impl": "fused",
+                                "model.remat": True, "model.remat_policy": policy})  # fmt: skip
+            p = aot.plan(config)
+            folder = tmp_path_factory.mktemp(f"{impl}-{policy}")
+            row = aot.train_row(p, target, 8, in_step=False, hlo_dir=folder)
+            (path,) = folder.glob("*.hlo.txt.gz")
+            out[impl, policy] = (p, config, row, gzip.open(path, "rt").read())
     return out
 
 
-def test_splash_attention_runs_as_tpu_kernels(splash_programs):
+def test_splash_attention_runs_as_tpu_kernels(kernel_programs):
     """Every attention of the step is the splash kernel's TPU custom calls (forward, dQ, dK/dV),
     no [.., h, S, S] (or decoder [.., h, T, T], cross [.., h, T, S]) array is left in the
     program, and under remat the policy decides whether the forward kernel runs again in the
     backward pass: not with "attention" (its output and log-sum-exp kept), once more with
     "projections"."""
     for policy, forward_again in (("attention", 0), ("projections", 1)):
-        p, config, row, text = splash_programs[policy]
+        p, config, row, text = kernel_programs["splash", policy]
         assert row["fits"] and row["remat_policy"] == policy, row
         q, g = p.rag_cfg.question_encoder, p.rag_cfg.generator
         attentions = q.num_hidden_layers + g.encoder_layers + 2 * g.decoder_layers
@@ -319,13 +321,50 @@ def test_splash_attention_runs_as_tpu_kernels(splash_programs):
         assert split["kernel calls"] > 0 and split["projections"] > 0, split
 
 
-def test_the_recompute_count_follows_the_remat_policy(splash_programs):
+def _kernel_arrays(text: str, name: str) -> set[tuple[int, ...]]:
+    """The shapes of the operands and results of the custom calls named `name`."""
+    shapes = set()
+    for line in text.splitlines():
+        if 'custom_call_target="tpu_custom_call"' in line and f"%{name}" in line.split("=")[0]:
+            for shape in re.findall(r"(?:f32|bf16)\[([\d,]+)\]", line.split("backend_config")[0]):
+                shapes.add(tuple(int(d) for d in shape.split(",")))
+    return shapes
+
+
+def test_inplace_attention_reads_the_projections_layout(kernel_programs):
+    """Every attention of the step is the inplace kernel's two TPU custom calls (forward,
+    backward), three with "projections" (whose backward pass needs the attention's output again,
+    for the output projection's gradient); the calls read and write only [rows, L, hidden]
+    arrays with L a length of the model (no head-major layout, no padding to a block), and no
+    score array is left in the program."""
+    for policy, forward_again in (("attention", 0), ("projections", 1)):
+        p, config, row, text = kernel_programs["inplace", policy]
+        assert row["fits"] and row["remat_policy"] == policy, row
+        q, g = p.rag_cfg.question_encoder, p.rag_cfg.generator
+        attentions = q.num_hidden_layers + g.encoder_layers + 2 * g.decoder_layers
+        assert (
+            text.count("inplace_attention_forward")
+            and _custom_calls(text) == (2 + forward_again) * attentions
+        ), policy
+        lengths = {p.rag_cfg.max_combined_length, config.data.answer_length,
+                   config.data.question_length}  # fmt: skip
+        assert q.hidden_size == g.d_model
+        for name in ("inplace_attention_forward", "inplace_attention_backward"):
+            shapes = _kernel_arrays(text, name)
+            assert shapes and all(
+                len(s) == 3 and s[1] in lengths and s[2] == q.hidden_size for s in shapes
+            ), (name, shapes)
+        assert _score_arrays(text, q.num_attention_heads, lengths) == [], policy
+
+
+@pytest.mark.parametrize("impl", ["splash", "inplace"])
+def test_the_recompute_count_follows_the_remat_policy(kernel_programs, impl):
     """What "attention" recomputes beyond "projections" (the output projections and the
     feed-forward's last matrices), counted by hand from the shapes, against the compiled
     programs' own matmuls, and against `benchmarks.flops`' recompute counts, which also know
     that "projections" runs the kernel's forward pass again (its matmuls, inside a custom call,
     are not in the HLO)."""
-    p, config, row, _ = splash_programs["attention"]
+    p, config, row, _ = kernel_programs[impl, "attention"]
     q, g, b = p.rag_cfg.question_encoder, p.rag_cfg.generator, row["per_chip_batch"]
     s, t, n = p.rag_cfg.max_combined_length, config.data.answer_length, p.rag_cfg.n_docs
     questions, contexts, targets = b * config.data.question_length, b * n * s, b * n * t
@@ -336,7 +375,9 @@ def test_the_recompute_count_follows_the_remat_policy(splash_programs):
     kernel_forward = q.num_hidden_layers * questions * 4 * config.data.question_length * h
     kernel_forward += g.encoder_layers * contexts * 4 * s * d
     kernel_forward += g.decoder_layers * targets * 4 * (t + s) * d
-    attention, projections = (splash_programs[k][2]["flops"] for k in ("attention", "projections"))
+    attention, projections = (
+        kernel_programs[impl, k][2]["flops"] for k in ("attention", "projections")
+    )
     assert attention["model"] == projections["model"]
     assert attention["hlo_matmuls"] - projections["hlo_matmuls"] == pytest.approx(more, rel=1e-3)
     assert attention["recompute"] - projections["recompute"] == more - kernel_forward

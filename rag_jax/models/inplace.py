@@ -1,0 +1,312 @@
+"""Fused attention that reads the projections' layout in place: `model.attention_impl="inplace"`.
+
+jax's TPU kernels (`models.flash`, `models.splash`) take head-major [B, h, T, d] arrays, lengths
+padded to their 128-wide blocks, and write softmax statistics broadcast over 128 lanes. Around
+the paper's step on a TPU that interface costs more HBM traffic than the attention itself: q, k,
+v and the output copied between [B, T, h, d] and [B, h, T, d], every input padded from 300 to
+384 and every output sliced back, the statistics sliced to one lane and broadcast again
+(tpu/README.md, "Remat policies and splash attention"). This module's Pallas kernels read q, k
+and v as the projections write them, [rows, T, h * d], and write the output and the gradients in
+the same layout; nothing is padded, copied or kept beside them.
+
+- Whole rows: one grid step holds a row's whole query and key lengths for a block of heads in
+  VMEM (a block's lanes: `heads_per_block * d`, a multiple of 128 or all heads), so its softmax
+  needs no running statistics and lengths need no padding to a block size (a block equal to the
+  array's dimension may have any length). The [T, S] scores of one head live in VMEM only. This
+  suits the short sequences of retrieval-augmented generation (contexts of 300, questions of 64,
+  targets of 32); a length whose scores do not fit VMEM is refused by name (use "splash").
+- Heads inside a block are read from the 128-lane tiles that hold them; a head narrower than a
+  tile (d = 64: two heads per tile) is selected by zeroing the tile's other lanes in the operand
+  of each product (q of q k^T, v of p v, and so on), so no lane is ever shifted. On a TPU the
+  matrix unit contracts 128 lanes at a time, so the zeros cost no matrix-unit time that a 64-wide
+  head would not already waste.
+- Nothing is saved for the backward pass but q, k and v: the backward kernel recomputes each
+  head's probabilities in both orientations, [T, S] for dQ and [S, T] for dK and dV, each
+  softmax from its own scores, and the softmax's gradient from p * (dp - sum(p * dp)) (the
+  form XLA differentiates the XLA path's softmax to), so no log-sum-exp and no rowsum(dO * O)
+  crosses HBM. Two calls per attention: forward and backward (a remat policy that does not keep
+  the output, `remat.ATTENTION`, runs the forward again for the output projection's gradient).
+- Masks as in the XLA path (`layers.Attention`): a key-padding mask and, for decoder
+  self-attention, the causal mask, applied as `where(allowed, logits, MASK_VALUE)`, so even a
+  row with no key to read (every key padding) gets the XLA path's output and gradients (uniform
+  weights), and padded queries read the real keys.
+- Attention-probability dropout cannot be applied: `layers.Attention` refuses it in training
+  (`flash.check_no_dropout`).
+- Grouped key/value heads (Llama) are repeated to the query heads outside the kernel.
+- Under a mesh (`jax.set_mesh`) the kernels run in `jax.shard_map` over the rows
+  (`flash.on_rows`); without one they run as they are. On CPU they run in Pallas's interpreter,
+  inside `with flash.interpreted():` (as the tests do).
+
+Legend: R rows, T query length, S key length, h heads, d head width, H = h * d.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from rag_jax.models import flash
+
+LANES = 128
+# What one grid step may hold in VMEM (estimated by `_vmem_bytes`): below the 16 MiB a Mosaic
+# kernel may use by default on v4 and v5e.
+VMEM_BUDGET = 12 * 2**20
+_MASK_VALUE = float(jnp.finfo(jnp.float32).min)  # layers.MASK_VALUE
+_NT = (((1,), (1,)), ((), ()))  # a @ b^T: both operands' lanes contracted
+
+
+def _tiles(heads: int, width: int) -> list[tuple[int, int, list[int]]]:
+    """The 128-lane tiles of a block of `heads` heads of `width` lanes: (first lane, end lane,
+    the heads they hold); a head wider than a tile spans whole tiles."""
+    lanes = heads * width
+    tiles = {}
+    for head in range(heads):
+        start = head * width // LANES * LANES
+        end = min(-(-(head + 1) * width // LANES) * LANES, lanes)
+        tiles.setdefault((start, end), []).append(head)
+    return [(start, end, held) for (start, end), held in tiles.items()]
+
+
+def _only(x: jax.Array, start: int, head: int, width: int) -> jax.Array:
+    """`x` [n, lanes of a tile starting at `start`] with every lane but `head`'s zeroed."""
+    first = head * width - start
+    if first == 0 and x.shape[1] == width:
+        return x
+    lane = lax.broadcasted_iota(jnp.int32, (1, x.shape[1]), 1)
+    keep = (lane >= first) & (lane < first + width)
+    return jnp.where(keep, x.astype(jnp.float32), 0.0).astype(x.dtype)
+
+
+def _allowed(key_mask: jax.Array, shape: tuple[int, int], causal: bool, keys_axis: int):
+    """Which (query, key) pairs may attend: [T, S] (`keys_axis` 1) or [S, T] (0), from the key
+    mask laid along that axis ([1, S] or [S, 1]) and, with `causal`, key <= query."""
+    allowed = jnp.broadcast_to(key_mask != 0, shape)
+    if causal:
+        key = lax.broadcasted_iota(jnp.int32, shape, keys_axis)
+        query = lax.broadcasted_iota(jnp.int32, shape, 1 - keys_axis)
+        allowed = allowed & (key <= query)
+    return allowed
+
+
+def _softmax(logits: jax.Array, allowed: jax.Array, axis: int) -> tuple[jax.Array, jax.Array]:
+    """Masked logits' exp(logits - max) and their sum along `axis` (the keys)."""
+    logits = jnp.where(allowed, logits, _MASK_VALUE)
+    weights = jnp.exp(logits - jnp.max(logits, axis=axis, keepdims=True))
+    return weights, jnp.sum(weights, axis=axis, keepdims=True)
+
+
+def _forward_kernel(mask_ref, q_ref, k_ref, v_ref, o_ref, *, heads, width, causal):
+    """One row's block of heads: o = softmax(q k^T, masked) v, head by head."""
+    length, source = q_ref.shape[1], k_ref.shape[1]
+    allowed = _allowed(mask_ref[0], (length, source), causal, keys_axis=1)
+    for start, end, held in _tiles(heads, width):
+        q, k, v = q_ref[0, :, start:end], k_ref[0, :, start:end], v_ref[0, :, start:end]
+        out = jnp.zeros((length, end - start), jnp.float32)
+        for head in held:
+            logits = lax.dot_general(
+                _only(q, start, head, width), k, _NT, preferred_element_type=jnp.float32
+            )
+            weights, total = _softmax(logits, allowed, axis=1)
+            mixed = jnp.dot(
+                weights.astype(v.dtype),
+                _only(v, start, head, width),
+                preferred_element_type=jnp.float32,
+            )
+            out = out + mixed / total
+        o_ref[0, :, start:end] = out.astype(o_ref.dtype)
+
+
+def _backward_kernel(
+    rows_ref, cols_ref, q_ref, k_ref, v_ref, do_ref, dq_ref, dk_ref, dv_ref, *, heads, width, causal
+):
+    """One row's block of heads: dQ from the [T, S] orientation, dK and dV from [S, T]."""
+    length, source = q_ref.shape[1], k_ref.shape[1]
+    allowed = _allowed(rows_ref[0], (length, source), causal, keys_axis=1)
+    allowed_t = _allowed(cols_ref[0], (source, length), causal, keys_axis=0)
+    f32 = jnp.float32
+    for start, end, held in _tiles(heads, width):
+        q, k, v = q_ref[0, :, start:end], k_ref[0, :, start:end], v_ref[0, :, start:end]
+        do = do_ref[0, :, start:end]
+        dq = jnp.zeros((length, end - start), f32)
+        dk = jnp.zeros((source, end - start), f32)
+        dv = jnp.zeros((source, end - start), f32)
+        for head in held:
+            qh, kh = _only(q, start, head, width), _only(k, start, head, width)
+            doh = _only(do, start, head, width)
+            # [T, S]: dQ = dS k, dS = p * (dp - sum(p * dp)), dp = dO v^T.
+            weights, total = _softmax(
+                lax.dot_general(qh, k, _NT, preferred_element_type=f32), allowed, axis=1
+            )
+            probs = weights / total
+            dprobs = lax.dot_general(doh, v, _NT, preferred_element_type=f32)
+            dlogits = probs * (dprobs - jnp.sum(probs * dprobs, axis=1, keepdims=True))
+            dlogits = jnp.where(allowed, dlogits, 0.0)
+            dq = dq + jnp.dot(dlogits.astype(k.dtype), kh, preferred_element_type=f32)
+            # [S, T]: dV = p^T dO, dK = dS^T q, each from its own softmax over the queries' axis.
+            weights, total = _softmax(
+                lax.dot_general(kh, q, _NT, preferred_element_type=f32), allowed_t, axis=0
+            )
+            probs = weights / total
+            dprobs = lax.dot_general(v, doh, _NT, preferred_element_type=f32)
+            dlogits = probs * (dprobs - jnp.sum(probs * dprobs, axis=0, keepdims=True))
+            dlogits = jnp.where(allowed_t, dlogits, 0.0)
+            dv = dv + jnp.dot(probs.astype(do.dtype), doh, preferred_element_type=f32)
+            dk = dk + jnp.dot(dlogits.astype(q.dtype), _only(q, start, head, width),
+                              preferred_element_type=f32)  # fmt: skip
+        dq_ref[0, :, start:end] = dq.astype(dq_ref.dtype)
+        dk_ref[0, :, start:end] = dk.astype(dk_ref.dtype)
+        dv_ref[0, :, start:end] = dv.astype(dv_ref.dtype)
+
+
+def _vmem_bytes(length: int, source: int, lanes: int, itemsize: int) -> int:
+    """One backward grid step's VMEM, the larger of the two kernels: its blocks double-buffered
+    (q, dO, dQ of [T, lanes]; k, v, dK, dV of [S, lanes]), one tile's float32 gradients, and a
+    head's float32 [T, S] arrays (about eight live at once)."""
+    blocks = 2 * itemsize * lanes * (3 * length + 4 * source)
+    tile = 4 * LANES * (length + 2 * source)
+    return blocks + tile + 8 * 4 * length * source
+
+
+def heads_per_block(heads: int, width: int, length: int, source: int, itemsize: int) -> int:
+    """The most heads one grid step holds: a divisor of `heads` whose lanes are a multiple of 128
+    (or all heads), within `VMEM_BUDGET`. Raises ValueError when no block fits."""
+    fits = [
+        n
+        for n in range(heads, 0, -1)
+        if heads % n == 0
+        and (n == heads or n * width % LANES == 0)
+        and _vmem_bytes(length, source, n * width, itemsize) <= VMEM_BUDGET
+    ]
+    if not fits:
+        raise ValueError(
+            f"attention_impl='inplace' holds whole rows in VMEM: queries of {length} and keys of "
+            f"{source} over {heads} heads of {width} need about "
+            f"{_vmem_bytes(length, source, min(heads * width, LANES), itemsize) / 2**20:.1f} MiB "
+            f"per step, over its {VMEM_BUDGET / 2**20:.0f} MiB: use attention_impl='splash'"
+        )
+    return fits[0]
+
+
+def _calls(heads: int, width: int, length: int, source: int, dtype, causal: bool):
+    """The forward and backward `pallas_call`s for these shapes (rows are their grid's first
+    axis, blocks of heads its second)."""
+    per_block = heads_per_block(heads, width, length, source, jnp.dtype(dtype).itemsize)
+    lanes = per_block * width
+    blocks = heads // per_block
+    interpret = flash.interpreting()
+    params = pltpu.CompilerParams(dimension_semantics=("parallel", "parallel"))
+    statics = dict(heads=per_block, width=width, causal=causal)
+
+    def spec(n):
+        return pl.BlockSpec((1, n, lanes), lambda r, j: (r, 0, j))
+
+    rows = pl.BlockSpec((1, 1, source), lambda r, j: (r, 0, 0))
+    cols = pl.BlockSpec((1, source, 1), lambda r, j: (r, 0, 0))
+
+    def forward(mask, q, k, v):
+        return pl.pallas_call(
+            functools.partial(_forward_kernel, **statics),
+            grid=(q.shape[0], blocks),
+            in_specs=[rows, spec(length), spec(source), spec(source)],
+            out_specs=spec(length),
+            out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+            compiler_params=params,
+            interpret=interpret,
+            name="inplace_attention_forward",
+        )(mask, q, k, v)
+
+    def backward(mask, q, k, v, do):
+        return pl.pallas_call(
+            functools.partial(_backward_kernel, **statics),
+            grid=(q.shape[0], blocks),
+            in_specs=[rows, cols, spec(length), spec(source), spec(source), spec(length)],
+            out_specs=[spec(length), spec(source), spec(source)],
+            out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v)],
+            compiler_params=params,
+            interpret=interpret,
+            name="inplace_attention_backward",
+        )(mask, mask.reshape(mask.shape[0], source, 1), q, k, v, do)
+
+    return forward, backward
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _attend(query, key, value, mask, heads, causal):
+    forward, _ = _calls(
+        heads, query.shape[2] // heads, query.shape[1], key.shape[1], query.dtype, causal
+    )
+    return forward(mask, query, key, value)
+
+
+def _attend_forward(query, key, value, mask, heads, causal):
+    return _attend(query, key, value, mask, heads, causal), (query, key, value, mask)
+
+
+def _attend_backward(heads, causal, saved, d_out):
+    query, key, value, mask = saved
+    _, backward = _calls(
+        heads, query.shape[2] // heads, query.shape[1], key.shape[1], query.dtype, causal
+    )
+    dq, dk, dv = backward(mask, query, key, value, d_out.astype(query.dtype))
+    return dq, dk, dv, None
+
+
+_attend.defvjp(_attend_forward, _attend_backward)
+
+
+def attention(
+    query: jax.Array, key: jax.Array, value: jax.Array, key_mask: jax.Array, heads: int,
+    causal: bool,
+) -> jax.Array:  # fmt: skip
+    """softmax(query key^T, masked) value of every head, in the projections' layout.
+
+    Args:
+      query: [R, T, H] (H = heads * d), already scaled by d^-0.5.
+      key: [R, S, G] with G = g * d: g key/value heads, each read by heads / g query heads
+        (g = heads: plain multi-head attention).
+      value: [R, S, G].
+      key_mask: [R, S] bool or int, True / 1 = a real key.
+      heads: h, the query heads.
+      causal: query t reads only keys s <= t (T = S).
+
+    Returns:
+      [R, T, H] in the query's dtype.
+    """
+    rows, length, lanes = query.shape
+    if (
+        query.ndim != 3
+        or key.ndim != 3
+        or key.shape != value.shape
+        or key.shape[0] != rows
+        or lanes % heads
+        or key.shape[2] % (lanes // heads)
+        or heads % (key.shape[2] // (lanes // heads))
+    ):
+        raise ValueError(
+            f"query {query.shape}, key {key.shape} and value {value.shape} must be [R, T, h * d], "
+            f"[R, S, g * d], [R, S, g * d] with h = {heads} and g dividing h"
+        )
+    source = key.shape[1]
+    if key_mask.shape != (rows, source):
+        raise ValueError(f"key_mask {key_mask.shape} must be [R, S] for key {key.shape}")
+    if causal and length != source:
+        raise ValueError(f"causal attention needs T = S, got query {query.shape}, key {key.shape}")
+    width = lanes // heads
+    groups = key.shape[2] // width
+    if groups != heads:  # each key/value head repeated for the query heads that read it
+        repeat = (rows, source, groups, heads // groups, width)
+        key, value = (
+            jnp.broadcast_to(x.reshape(rows, source, groups, 1, width), repeat).reshape(
+                rows, source, lanes
+            )
+            for x in (key, value)
+        )
+    key = key.astype(query.dtype)
+    value = value.astype(query.dtype)
+    heads_per_block(heads, width, length, source, query.dtype.itemsize)  # refused here, by name
+    mask = key_mask.astype(jnp.int32).reshape(rows, 1, source)
+    run = functools.partial(_attend, heads=heads, causal=causal)
+    return flash.on_rows("inplace", run, query, key, value, mask)
