@@ -98,8 +98,8 @@ def _softmax(logits: jax.Array, allowed: jax.Array, axis: int) -> tuple[jax.Arra
     return weights, jnp.sum(weights, axis=axis, keepdims=True)
 
 
-def _forward_kernel(mask_ref, q_ref, k_ref, v_ref, o_ref, *, heads, width, causal):
-    """One row's block of heads: o = softmax(q k^T, masked) v, head by head."""
+def _forward_kernel(mask_ref, q_ref, k_ref, v_ref, o_ref, *, heads, width, causal, scale):
+    """One row's block of heads: o = softmax(scale q k^T, masked) v, head by head."""
     length, source = q_ref.shape[1], k_ref.shape[1]
     allowed = _allowed(mask_ref[0], (length, source), causal, keys_axis=1)
     for start, end, held in _tiles(heads, width):
@@ -109,7 +109,7 @@ def _forward_kernel(mask_ref, q_ref, k_ref, v_ref, o_ref, *, heads, width, causa
             logits = lax.dot_general(
                 _only(q, start, head, width), k, _NT, preferred_element_type=jnp.float32
             )
-            weights, total = _softmax(logits, allowed, axis=1)
+            weights, total = _softmax(logits * scale, allowed, axis=1)
             mixed = jnp.dot(
                 weights.astype(v.dtype),
                 _only(v, start, head, width),
@@ -120,8 +120,9 @@ def _forward_kernel(mask_ref, q_ref, k_ref, v_ref, o_ref, *, heads, width, causa
 
 
 def _backward_kernel(
-    rows_ref, cols_ref, q_ref, k_ref, v_ref, do_ref, dq_ref, dk_ref, dv_ref, *, heads, width, causal
-):
+    rows_ref, cols_ref, q_ref, k_ref, v_ref, do_ref, dq_ref, dk_ref, dv_ref, *, heads, width,
+    causal, scale,
+):  # fmt: skip
     """One row's block of heads: dQ from the [T, S] orientation, dK and dV from [S, T]."""
     length, source = q_ref.shape[1], k_ref.shape[1]
     allowed = _allowed(rows_ref[0], (length, source), causal, keys_axis=1)
@@ -138,21 +139,21 @@ def _backward_kernel(
             doh = _only(do, start, head, width)
             # [T, S]: dQ = dS k, dS = p * (dp - sum(p * dp)), dp = dO v^T.
             weights, total = _softmax(
-                lax.dot_general(qh, k, _NT, preferred_element_type=f32), allowed, axis=1
+                lax.dot_general(qh, k, _NT, preferred_element_type=f32) * scale, allowed, axis=1
             )
             probs = weights / total
             dprobs = lax.dot_general(doh, v, _NT, preferred_element_type=f32)
             dlogits = probs * (dprobs - jnp.sum(probs * dprobs, axis=1, keepdims=True))
-            dlogits = jnp.where(allowed, dlogits, 0.0)
+            dlogits = jnp.where(allowed, dlogits * scale, 0.0)  # the gradient of q k^T
             dq = dq + jnp.dot(dlogits.astype(k.dtype), kh, preferred_element_type=f32)
             # [S, T]: dV = p^T dO, dK = dS^T q, each from its own softmax over the queries' axis.
             weights, total = _softmax(
-                lax.dot_general(kh, q, _NT, preferred_element_type=f32), allowed_t, axis=0
+                lax.dot_general(kh, q, _NT, preferred_element_type=f32) * scale, allowed_t, axis=0
             )
             probs = weights / total
             dprobs = lax.dot_general(v, doh, _NT, preferred_element_type=f32)
             dlogits = probs * (dprobs - jnp.sum(probs * dprobs, axis=0, keepdims=True))
-            dlogits = jnp.where(allowed_t, dlogits, 0.0)
+            dlogits = jnp.where(allowed_t, dlogits * scale, 0.0)
             dv = dv + jnp.dot(probs.astype(do.dtype), doh, preferred_element_type=f32)
             dk = dk + jnp.dot(dlogits.astype(q.dtype), _only(q, start, head, width),
                               preferred_element_type=f32)  # fmt: skip
@@ -190,7 +191,7 @@ def heads_per_block(heads: int, width: int, length: int, source: int, itemsize: 
     return fits[0]
 
 
-def _calls(heads: int, width: int, length: int, source: int, dtype, causal: bool):
+def _calls(heads: int, width: int, length: int, source: int, dtype, causal: bool, scale: float):
     """The forward and backward `pallas_call`s for these shapes (rows are their grid's first
     axis, blocks of heads its second)."""
     per_block = heads_per_block(heads, width, length, source, jnp.dtype(dtype).itemsize)
@@ -198,7 +199,7 @@ def _calls(heads: int, width: int, length: int, source: int, dtype, causal: bool
     blocks = heads // per_block
     interpret = flash.interpreting()
     params = pltpu.CompilerParams(dimension_semantics=("parallel", "parallel"))
-    statics = dict(heads=per_block, width=width, causal=causal)
+    statics = dict(heads=per_block, width=width, causal=causal, scale=scale)
 
     def spec(n):
         return pl.BlockSpec((1, n, lanes), lambda r, j: (r, 0, j))
@@ -233,23 +234,24 @@ def _calls(heads: int, width: int, length: int, source: int, dtype, causal: bool
     return forward, backward
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _attend(query, key, value, mask, heads, causal):
-    forward, _ = _calls(
-        heads, query.shape[2] // heads, query.shape[1], key.shape[1], query.dtype, causal
-    )
+def _shapes(query, key, heads):
+    """`_calls`' shape arguments: heads, head width, lengths, dtype."""
+    return heads, query.shape[2] // heads, query.shape[1], key.shape[1], query.dtype
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _attend(query, key, value, mask, heads, causal, scale):
+    forward, _ = _calls(*_shapes(query, key, heads), causal, scale)
     return forward(mask, query, key, value)
 
 
-def _attend_forward(query, key, value, mask, heads, causal):
-    return _attend(query, key, value, mask, heads, causal), (query, key, value, mask)
+def _attend_forward(query, key, value, mask, heads, causal, scale):
+    return _attend(query, key, value, mask, heads, causal, scale), (query, key, value, mask)
 
 
-def _attend_backward(heads, causal, saved, d_out):
+def _attend_backward(heads, causal, scale, saved, d_out):
     query, key, value, mask = saved
-    _, backward = _calls(
-        heads, query.shape[2] // heads, query.shape[1], key.shape[1], query.dtype, causal
-    )
+    _, backward = _calls(*_shapes(query, key, heads), causal, scale)
     dq, dk, dv = backward(mask, query, key, value, d_out.astype(query.dtype))
     return dq, dk, dv, None
 
@@ -259,18 +261,20 @@ _attend.defvjp(_attend_forward, _attend_backward)
 
 def attention(
     query: jax.Array, key: jax.Array, value: jax.Array, key_mask: jax.Array, heads: int,
-    causal: bool,
+    causal: bool, scale: float = 1.0,
 ) -> jax.Array:  # fmt: skip
-    """softmax(query key^T, masked) value of every head, in the projections' layout.
+    """softmax(scale query key^T, masked) value of every head, in the projections' layout.
 
     Args:
-      query: [R, T, H] (H = heads * d), already scaled by d^-0.5.
+      query: [R, T, H] (H = heads * d): the query projection's output as it is (the kernels
+        scale the float32 logits, so no scaled copy of the queries is written).
       key: [R, S, G] with G = g * d: g key/value heads, each read by heads / g query heads
         (g = heads: plain multi-head attention).
       value: [R, S, G].
       key_mask: [R, S] bool or int, True / 1 = a real key.
       heads: h, the query heads.
       causal: query t reads only keys s <= t (T = S).
+      scale: the logits' scale (d^-0.5 for the models' attention).
 
     Returns:
       [R, T, H] in the query's dtype.
@@ -308,5 +312,5 @@ def attention(
     value = value.astype(query.dtype)
     heads_per_block(heads, width, length, source, query.dtype.itemsize)  # refused here, by name
     mask = key_mask.astype(jnp.int32).reshape(rows, 1, source)
-    run = functools.partial(_attend, heads=heads, causal=causal)
+    run = functools.partial(_attend, heads=heads, causal=causal, scale=float(scale))
     return flash.on_rows("inplace", run, query, key, value, mask)

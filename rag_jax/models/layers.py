@@ -176,11 +176,12 @@ class Attention(nn.Module):
         scale = jnp.asarray((self.hidden // self.num_heads) ** -0.5, self.dtype)
         # The remat names mark the [.., H] projections (no head axis of width d padded to the
         # TPU's 128 lanes when a policy keeps them).
-        query = remat.name(proj("query")(x), remat.QUERY) * scale
+        query = remat.name(proj("query")(x), remat.QUERY)
         flash.check_impl(self.impl)
-        if self.impl == "inplace" and not self.decode:
-            return self._project_out(proj, self._inplace(query, x, kv, proj, mask, deterministic))
-        query = self._split(query)  # -> [B, T, h, d]
+        if self.impl == "inplace" and not self.decode:  # the kernel scales its logits itself
+            out = self._inplace(query, x, kv, proj, mask, deterministic)
+            return self._project_out(proj, out)
+        query = self._split(query * scale)  # -> [B, T, h, d]
         if self.cross and self.decode:
             key, value = self._cross_cache(kv, proj)
         else:
@@ -272,8 +273,8 @@ class Attention(nn.Module):
         return out.reshape(batch, length, self.num_heads, -1)
 
     def _inplace(self, query, x, kv, proj, mask, deterministic) -> jax.Array:
-        """The inplace kernel's attention (`models.inplace`) of `query` [B, T, H] (scaled) over
-        the projections of `kv` (or `x`), all in the projections' [.., H] layout; returns
+        """The inplace kernel's attention (`models.inplace`) of `query` [B, T, H] (not scaled)
+        over the projections of `kv` (or `x`), all in the projections' [.., H] layout; returns
         [B, T, H]."""
         flash.check_no_dropout(
             self.dropout_rate,
@@ -291,7 +292,8 @@ class Attention(nn.Module):
         q = query.reshape(rows // inner, group, inner, length, self.hidden)
         q = q.transpose(0, 2, 1, 3, 4).reshape(rows, group * length, self.hidden)
         key, value = (y.reshape(rows, source, self.hidden) for y in (key, value))
-        out = inplace.attention(q, key, value, key_mask, self.num_heads, self.causal)
+        scale = (self.hidden // self.num_heads) ** -0.5
+        out = inplace.attention(q, key, value, key_mask, self.num_heads, self.causal, scale)
         out = out.reshape(rows // inner, inner, group, length, self.hidden)
         return out.transpose(0, 2, 1, 3, 4).reshape(batch, length, self.hidden)
 

@@ -192,7 +192,7 @@ def _attend(query, own, prefix):
     """Grouped-query attention of `query` [R, T, h, d] over a row's own keys and a shared prefix.
 
     Args:
-      query: [R, T, h, d], scaled and rotated.
+      query: [R, T, h, d], rotated, and scaled but for "inplace" (whose kernels scale logits).
       own: (keys [R, g, S, d], values [R, g, S, d], mask bool broadcastable to [R, 1, 1, T, S]).
       prefix: None, or (keys [G, m, g, P, d], values, mask [G, m, P]).
 
@@ -242,7 +242,7 @@ def _fused(query, key, value, key_mask, impl):
     reads [R, T, h * d] and repeats the key/value heads).
 
     Args:
-      query: [R, T, h, d], scaled and rotated.
+      query: [R, T, h, d], rotated, and scaled but for "inplace" (whose kernels scale logits).
       key, value: [R, g, T, d]; each key/value head is read by its r = h / g query heads.
       key_mask: [R, T] bool, True = a real token.
 
@@ -254,7 +254,7 @@ def _fused(query, key, value, key_mask, impl):
     if impl == "inplace":  # [R, T, h * d] as it is; the keys and values back to [R, T, g * d]
         key, value = (y.transpose(0, 2, 1, 3).reshape(rows, length, -1) for y in (key, value))
         query = query.reshape(rows, length, heads * width)
-        return inplace.attention(query, key, value, key_mask, heads, causal=True)
+        return inplace.attention(query, key, value, key_mask, heads, True, width**-0.5)
     if impl == "splash":
         out = splash.attention(query.transpose(0, 2, 1, 3), key, value, key_mask, causal=True)
         return out.transpose(0, 2, 1, 3).reshape(rows, length, heads * width)
@@ -332,7 +332,9 @@ class DecoderLayer(nn.Module):
         query, key = remat.name(query, remat.QUERY), remat.name(key, remat.KEY)
         value = remat.name(value, remat.VALUE)
         query = _rotate(query.reshape(rows, length, heads, width), cos, sin)
-        query = query * jnp.asarray(width**-0.5, dtype)
+        fused = cfg.attention_impl in flash.KERNELS and prefix is None and past is None
+        if not (fused and cfg.attention_impl == "inplace"):  # that kernel scales its logits
+            query = query * jnp.asarray(width**-0.5, dtype)
         key = _rotate(key.reshape(rows, length, groups, width), cos, sin).transpose(0, 2, 1, 3)
         value = value.reshape(rows, length, groups, width).transpose(0, 2, 1, 3)  # [R, g, T, d]
         if past is not None:
@@ -342,7 +344,6 @@ class DecoderLayer(nn.Module):
             value = jax.lax.dynamic_update_slice(past[1], value.astype(past[1].dtype), start)
         # Named scopes put the attention core and the gating in op names ("self_attn", "mlp"), as
         # the projections are (profiles; benchmarks/hlo.py attributes HBM traffic by them).
-        fused = cfg.attention_impl in flash.KERNELS and prefix is None and past is None
         with jax.named_scope(attn):
             if fused:
                 out = _fused(query, key, value, own_mask, cfg.attention_impl).astype(dtype)

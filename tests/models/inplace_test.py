@@ -1,9 +1,9 @@
 """The inplace kernel (`models.inplace`, run here in Pallas's interpreter) in its own [R, T, h * d]
-layout against a float64 numpy reference, outputs and gradients: heads narrower than a 128-lane
-tile (two heads of 64 per tile, eight of 4 in one), heads of 128, grouped key/value heads, causal
-and key padding, a row with no key to read; the blocks of heads it picks and what it refuses; the
-kernel under a mesh (`jax.shard_map`); the remat policies' gradients. Against the XLA path inside
-the models: kernels_test.py."""
+layout against a float64 numpy reference, outputs and gradients (logits scaled inside): heads
+narrower than a 128-lane tile (two heads of 64 per tile, eight of 4 in one), heads of 128,
+grouped key/value heads, causal and key padding, a row with no key to read; the blocks of heads
+it picks and what it refuses; the kernel under a mesh (`jax.shard_map`); the remat policies'
+gradients. Against the XLA path inside the models: kernels_test.py."""
 
 import jax
 import jax.numpy as jnp
@@ -17,10 +17,11 @@ from tests.models.kernels_test import close, key_padding, llama_batch, llama_con
 MASK_VALUE = np.finfo(np.float32).min
 
 
-def _numpy(q, k, v, key_mask, heads, causal, d_out):
-    """float64 attention of [R, T, h * d] and its gradients (dQ, dK, dV) for the output gradient
-    `d_out`, as the XLA path computes them: masked logits set to float32's lowest value (a row
-    with no key to read weighs every key alike) and their gradients zeroed."""
+def _numpy(q, k, v, key_mask, heads, causal, d_out, scale):
+    """float64 attention of [R, T, h * d] (logits scale q k^T) and its gradients (dQ, dK, dV)
+    for the output gradient `d_out`, as the XLA path computes them: masked logits set to
+    float32's lowest value (a row with no key to read weighs every key alike) and their
+    gradients zeroed."""
     rows, length, lanes = q.shape
     source, width = k.shape[1], lanes // heads
     groups = k.shape[2] // width
@@ -34,14 +35,14 @@ def _numpy(q, k, v, key_mask, heads, causal, d_out):
     allowed = np.broadcast_to(key_mask[:, None, None, :].astype(bool), (rows, 1, length, source))
     if causal:
         allowed = allowed & np.tril(np.ones((length, source), bool))
-    logits = np.where(allowed, np.einsum("rhtd,rhsd->rhts", qh, kh), MASK_VALUE)
+    logits = np.where(allowed, scale * np.einsum("rhtd,rhsd->rhts", qh, kh), MASK_VALUE)
     probs = np.exp(logits - logits.max(-1, keepdims=True))
     probs /= probs.sum(-1, keepdims=True)
     out = np.einsum("rhts,rhsd->rhtd", probs, vh)
     dprobs = np.einsum("rhtd,rhsd->rhts", do, vh)
     dlogits = np.where(allowed, probs * (dprobs - (probs * dprobs).sum(-1, keepdims=True)), 0.0)
-    dq = np.einsum("rhts,rhsd->rhtd", dlogits, kh)
-    dk = np.einsum("rhts,rhtd->rhsd", dlogits, qh)
+    dq = scale * np.einsum("rhts,rhsd->rhtd", dlogits, kh)
+    dk = scale * np.einsum("rhts,rhtd->rhsd", dlogits, qh)
     dv = np.einsum("rhts,rhtd->rhsd", probs, do)
 
     def merge(x, n):  # [R, h, L, d] -> [R, L, n * d], repeated heads summed back to n
@@ -51,20 +52,20 @@ def _numpy(q, k, v, key_mask, heads, causal, d_out):
     return merge(out, heads), merge(dq, heads), merge(dk, groups), merge(dv, groups)
 
 
-def _check(rows, length, source, heads, width, groups, causal, lengths=None, seed=0):
+def _check(rows, length, source, heads, width, groups, causal, lengths=None, seed=0, scale=0.3):
     rng = np.random.default_rng(seed)
-    q = rng.normal(size=(rows, length, heads * width)).astype(np.float32) * 0.5
+    q = rng.normal(size=(rows, length, heads * width)).astype(np.float32)
     k, v = (rng.normal(size=(rows, source, groups * width)).astype(np.float32) for _ in range(2))
     key_mask = key_padding(rng, rows, source, lengths)
     d_out = rng.normal(size=q.shape).astype(np.float32)
 
     def loss(q, k, v):
-        out = inplace.attention(q, k, v, jnp.asarray(key_mask), heads, causal)
+        out = inplace.attention(q, k, v, jnp.asarray(key_mask), heads, causal, scale)
         return jnp.sum(out * d_out), out
 
     with flash.interpreted():
         (_, out), grads = jax.jit(jax.value_and_grad(loss, (0, 1, 2), has_aux=True))(q, k, v)
-    want = _numpy(q, k, v, key_mask, heads, causal, d_out)
+    want = _numpy(q, k, v, key_mask, heads, causal, d_out, scale)
     for name, got, expected in zip(("out", "dq", "dk", "dv"), (out, *grads), want, strict=True):
         assert got.shape == expected.shape, name
         close(got, expected)
@@ -83,7 +84,7 @@ def test_narrow_heads_in_one_tile_and_a_row_with_no_key():
 
 
 def test_heads_of_128_and_grouped_key_value_heads():
-    _check(2, 9, 9, 2, 128, 2, True, [9, 4], seed=2)  # one tile per head, nothing zeroed
+    _check(2, 9, 9, 2, 128, 2, True, [9, 4], seed=2, scale=1.0)  # one tile per head, unscaled
     _check(2, 9, 9, 4, 64, 2, True, [9, 6], seed=3)  # 4 query heads over 2 key/value heads
 
 
