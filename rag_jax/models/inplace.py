@@ -26,6 +26,8 @@ the same layout; nothing is padded, copied or kept beside them.
   form XLA differentiates the XLA path's softmax to), so no log-sum-exp and no rowsum(dO * O)
   crosses HBM. Two calls per attention: forward and backward (a remat policy that does not keep
   the output, `remat.ATTENTION`, runs the forward again for the output projection's gradient).
+- The logits' scale (d^-0.5) is applied inside, to the float32 logits: the query projection's
+  output goes in as it is, and no scaled copy of it is written (the layers pass it unscaled).
 - Masks as in the XLA path (`layers.Attention`): a key-padding mask and, for decoder
   self-attention, the causal mask, applied as `where(allowed, logits, MASK_VALUE)`, so even a
   row with no key to read (every key padding) gets the XLA path's output and gradients (uniform
