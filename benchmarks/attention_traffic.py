@@ -76,7 +76,7 @@ def split(hlo_text: str) -> dict:
                 visit(called["to_apply"], times, (*seen, called["to_apply"]))
             if inst.opcode in hlo._FREE or inst.opcode.endswith("-done"):
                 continue
-            read = sum(hlo.shape_bytes(shapes.get(o, "")) for o in inst.operands)
+            read = hlo.operand_bytes(inst, shapes, computations)
             written = hlo.shape_bytes(inst.shape)
             if inst.opcode.endswith("-start") and inst.shape.startswith("("):
                 written = max(written - read, 0.0)

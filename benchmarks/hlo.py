@@ -17,7 +17,7 @@ slices XLA adds to move arrays into on-chip memory and back have none, and count
 instruction they serve (`_served`). What lies outside the differentiated function ("optimizer and
 the rest") is split by what it does (`_outside_part`): the optimizer update, the gradient norms,
 casts, collectives, copies. An async slice (`slice-start`, several of which prefetch one large
-array) reads only its slice.
+array) reads only its slice, and so does a fusion of an operand it only slices (`operand_bytes`).
 
 It is an estimate, not a measurement: a fusion that tiles a large operand may read it more than
 once (more traffic), an in-place update writes only its slice (less), and small arrays are
@@ -64,7 +64,7 @@ class Instruction:
     opcode: str
     operands: list[str]
     attrs: str
-    literal: str = ""  # a constant's value, e.g. "4"
+    literal: str = ""  # a constant's value, e.g. "4", or a parameter's index
     root: bool = False
 
 
@@ -137,7 +137,7 @@ def parse(hlo_text: str) -> tuple[dict[str, list[Instruction]], str]:
         shape, rest = _split_shape(rhs)
         opcode, _, args = rest.partition("(")
         operands, attrs = _operands("(" + args)
-        literal = args.partition(")")[0] if opcode == "constant" else ""
+        literal = args.partition(")")[0] if opcode in ("constant", "parameter") else ""
         root = text.startswith("ROOT ")
         current.append(Instruction(lhs.lstrip("%"), shape, opcode, operands, attrs, literal, root))
     if entry is None:
@@ -461,6 +461,54 @@ def _served(instructions: list) -> dict:
     return out
 
 
+_SLICING = {"slice", "dynamic-slice"}
+
+
+def _sliced_reads(name: str, computations: dict, seen: tuple = ()) -> dict[int, float]:
+    """{parameter index: bytes read} of fused computation `name` for each parameter that is only
+    sliced inside it (by `slice` or `dynamic-slice`, directly or as a parameter of a nested
+    fusion that only slices it): such a fusion reads its slices of that operand, not all of it
+    (a loop that scores a large array block by block passes the whole array to a fusion each
+    time and reads one block)."""
+    instructions = computations.get(name, [])
+    users: dict = {}
+    for inst in instructions:
+        for position, operand in enumerate(inst.operands):
+            users.setdefault(operand, []).append((inst, position))
+    out = {}
+    for param in instructions:
+        if param.opcode != "parameter" or not param.literal.isdigit():
+            continue
+        read = 0.0
+        for user, position in users.get(param.name, []):
+            called = dict(_CALLED.findall(user.attrs)).get("calls")
+            if user.opcode in _SLICING and position == 0:
+                read += shape_bytes(user.shape, None)
+            elif user.opcode == "fusion" and called in computations and called not in seen:
+                nested = _sliced_reads(called, computations, (*seen, called)).get(position)
+                if nested is None:
+                    break
+                read += nested
+            else:
+                break
+        else:
+            if param.name in users:
+                out[int(param.literal)] = read
+    return out
+
+
+def operand_bytes(inst: Instruction, shapes: dict, computations: dict) -> float:
+    """HBM bytes an instruction reads: its operands in HBM, and of a fusion's operand that the
+    fusion only slices, the slices (`_sliced_reads`)."""
+    called = dict(_CALLED.findall(inst.attrs)).get("calls")
+    sliced = _sliced_reads(called, computations) if inst.opcode == "fusion" else {}
+    read = 0.0
+    for position, operand in enumerate(inst.operands):
+        size = shape_bytes(shapes.get(operand, ""))
+        read += min(size, sliced[position]) if size and position in sliced else size
+    return read
+
+
 def _async_slice_bytes(inst: Instruction, shapes: dict) -> tuple[float, float]:
     """(read, written) HBM bytes of a `slice-start`, whose shape is ((operand), slice,
     context): it reads only its slice of the operand (XLA prefetches a large array into on-chip
@@ -551,7 +599,7 @@ def traffic(hlo_text: str) -> Traffic:
                 fused(called["calls"], times, (*seen, called["calls"]), once)
             if inst.opcode in _FREE or inst.opcode.endswith("-done"):
                 continue
-            read = sum(shape_bytes(shapes.get(o, "")) for o in inst.operands)
+            read = operand_bytes(inst, shapes, computations)
             written = shape_bytes(inst.shape)
             if inst.opcode.endswith("-start") and inst.shape.startswith("("):
                 written = max(written - read, 0.0)  # the start's tuple holds its operands too

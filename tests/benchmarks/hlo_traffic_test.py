@@ -1,6 +1,7 @@
 """`benchmarks.hlo`'s split of the traffic outside the differentiated function ("optimizer and
 the rest") by what the instructions do, on a hand-written program with one instruction of each
-kind an optimised train step has there."""
+kind an optimised train step has there; what prefetching slices and a fusion that slices its
+operand read."""
 
 from benchmarks import hlo
 
@@ -162,3 +163,59 @@ def test_a_prefetch_counts_its_slices_once_and_with_the_instruction_it_serves():
     w, x = 128 * 128 * 2, 256 * 128 * 2
     assert got.by_part == {"optimizer and the rest": 3 * param, "attention": w + x + x}
     assert got.hbm_bytes == 3 * param + w + 2 * x
+
+
+BLOCKWISE = """HloModule m, is_scheduled=true
+
+%slice_dot (q: bf16[8,128], big: bf16[4096,128], i: s32[]) -> f32[8,1024] {
+  %q = bf16[8,128]{1,0:S(1)} parameter(0)
+  %big = bf16[4096,128]{1,0} parameter(1)
+  %i = s32[]{:S(1)} parameter(2)
+  %z = s32[]{:S(1)} constant(0)
+  %rows = bf16[1024,128]{1,0} dynamic-slice(%big, %i, %z), dynamic_slice_sizes={1024,128}
+  ROOT %s = f32[8,1024]{1,0} dot(%q, %rows), lhs_contracting_dims={1}, rhs_contracting_dims={1}
+}
+
+%score_top (q: bf16[8,128], big: bf16[4096,128], i: s32[], whole: bf16[4096,128]) -> f32[8,8] {
+  %q = bf16[8,128]{1,0:S(1)} parameter(0)
+  %big = bf16[4096,128]{1,0} parameter(1)
+  %i = s32[]{:S(1)} parameter(2)
+  %whole = bf16[4096,128]{1,0} parameter(3)
+  %scores = f32[8,1024]{1,0} fusion(%q, %big, %i), kind=kOutput, calls=%slice_dot
+  %neg = bf16[4096,128]{1,0} negate(%whole)
+  ROOT %top = f32[8,8]{1,0:S(1)} slice(%scores), slice={[0:8], [0:8]}
+}
+
+%body (s: (s32[], bf16[4096,128], bf16[8,128])) -> (s32[], bf16[4096,128], bf16[8,128]) {
+  %s = (s32[], bf16[4096,128]{1,0}, bf16[8,128]{1,0:S(1)}) parameter(0)
+  %i = s32[]{:S(1)} get-tuple-element(%s), index=0
+  %big = bf16[4096,128]{1,0} get-tuple-element(%s), index=1
+  %q = bf16[8,128]{1,0:S(1)} get-tuple-element(%s), index=2
+  %t = f32[8,8]{1,0:S(1)} fusion(%q, %big, %i, %big), kind=kCustom, calls=%score_top, metadata={op_name="jit(search)/while/body/approx_top_k"}
+  ROOT %r = (s32[], bf16[4096,128]{1,0}, bf16[8,128]{1,0:S(1)}) tuple(%i, %big, %q)
+}
+
+%cond (s: (s32[], bf16[4096,128], bf16[8,128])) -> pred[] {
+  %s = (s32[], bf16[4096,128]{1,0}, bf16[8,128]{1,0:S(1)}) parameter(0)
+  ROOT %p = pred[]{:S(1)} constant(true)
+}
+
+ENTRY %main (big: bf16[4096,128], q: bf16[8,128]) -> (s32[], bf16[4096,128], bf16[8,128]) {
+  %big = bf16[4096,128]{1,0} parameter(0)
+  %q = bf16[8,128]{1,0:S(1)} parameter(1)
+  %z = s32[]{:S(1)} constant(0)
+  %init = (s32[], bf16[4096,128]{1,0}, bf16[8,128]{1,0:S(1)}) tuple(%z, %big, %q)
+  ROOT %w = (s32[], bf16[4096,128]{1,0}, bf16[8,128]{1,0:S(1)}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"4"}}
+}
+"""  # noqa: E501
+
+
+def test_a_fusion_reads_only_the_blocks_it_slices_of_an_operand():
+    """A loop scores a large array block by block: each time its fusion is given the whole array
+    and dynamic-slices one block inside a nested fusion, so it reads the block (4 x 1,024 rows:
+    the array once over the loop); the same array passed as an operand it reads whole (negates)
+    is read whole each time."""
+    got = hlo.traffic(BLOCKWISE)
+    block, whole = 1024 * 128 * 2, 4096 * 128 * 2
+    assert got.loops == [("w", 4)]
+    assert got.hbm_bytes == 4 * (block + whole)
