@@ -1,5 +1,5 @@
-"""What a compiled program moves, read from its optimised HLO text: HBM traffic at fusion
-boundaries, collectives, host transfers.
+"""What a compiled program moves, read from its optimised HLO text (`benchmarks.hlo_text`): HBM
+traffic at fusion boundaries, collectives, host transfers.
 
 XLA's `cost_analysis()["bytes accessed"]` is not HBM traffic on TPU: it adds up the operand and
 output bytes of every instruction, the ones inside fusions included (values that live in vector
@@ -31,7 +31,7 @@ import re
 
 import numpy as np
 
-from benchmarks.hlo_text import _ARRAY, Instruction, parse, shape_bytes
+from benchmarks.hlo_text import ARRAY, Instruction, parse, shape_bytes
 
 # Instructions that move no data of their own: views, tuples, the "-done" half of async pairs
 # (the "-start" half is counted), and control flow (its bodies are counted instead).
@@ -167,7 +167,7 @@ def _outside_part(inst: Instruction, computations: dict, shapes: dict) -> str:
         return "copies and layout changes"
     if ops & {"sqrt", "rsqrt"}:
         return "optimizer update"
-    results = _ARRAY.findall(inst.shape)
+    results = ARRAY.findall(inst.shape)
     if "reduce" in ops and results and all(not dims for _, dims, _ in results):
         return "gradient norms"
     out_floats = set(_FLOATS.findall(inst.shape))
@@ -188,7 +188,7 @@ _PASS_THROUGH = ("copy", "bitcast", "convert", "copy-done")
 
 
 def _dims(shape: str) -> list[int]:
-    found = _ARRAY.search(shape)
+    found = ARRAY.search(shape)
     return [int(d) for d in found.group(2).split(",") if d] if found else []
 
 
@@ -405,7 +405,7 @@ def _async_slice_bytes(inst: Instruction, shapes: dict) -> tuple[float, float]:
     context): it reads only its slice of the operand (XLA prefetches a large array into on-chip
     memory as several such slices, each one counted whole would count the array as often), and
     writes the slice, to HBM only when the slice lives there."""
-    arrays = _ARRAY.findall(inst.shape)
+    arrays = ARRAY.findall(inst.shape)
     if len(arrays) <= len(inst.operands) or not inst.operands:
         return 0.0, 0.0
     dtype, dims, layout = arrays[len(inst.operands)]
@@ -438,9 +438,9 @@ def traffic(hlo_text: str) -> Traffic:
         results = inst.shape
         if inst.opcode.endswith("-start") and inst.shape.startswith("("):
             # (operands..., results...): the results are the trailing components
-            arrays = _ARRAY.findall(inst.shape)[len(inst.operands) :]
+            arrays = ARRAY.findall(inst.shape)[len(inst.operands) :]
             results = " ".join(f"{d}[{s}]{layout}" for d, s, layout in arrays)
-        for dtype, dims, layout in _ARRAY.findall(results):
+        for dtype, dims, layout in ARRAY.findall(results):
             size = shape_bytes(f"{dtype}[{dims}]{layout}", None) * times
             out.collectives[kind] = out.collectives.get(kind, 0.0) + size
             key = f"{kind} {dtype}"

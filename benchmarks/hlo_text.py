@@ -8,7 +8,8 @@ _DTYPE_BYTES = {
     "pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
     "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
 }  # fmt: skip
-_ARRAY = re.compile(r"([a-z]+[0-9]*[a-z0-9]*)\[([0-9,]*)\](\{[^{}]*\})?")
+# One array of a shape string: dtype, dims, layout (e.g. "bf16[8,128]{1,0:T(8,128)S(1)}").
+ARRAY = re.compile(r"([a-z]+[0-9]*[a-z0-9]*)\[([0-9,]*)\](\{[^{}]*\})?")
 # The first line of an instruction: `  [ROOT ]%name = ...`.
 _INSTRUCTION = re.compile(r"^\s*(ROOT\s+)?%?[\w.\-]+ = ")
 _HEADER = re.compile(r"^(ENTRY )?%?([\w.\-]+) \(.*\) -> .* \{$")
@@ -106,7 +107,7 @@ def shape_bytes(shape: str, memory_space: int | None = 0) -> float:
     """Bytes of the arrays in an HLO shape string (tuples included) that live in
     `memory_space` (0: HBM; None: all)."""
     total = 0.0
-    for dtype, dims, layout in _ARRAY.findall(shape):
+    for dtype, dims, layout in ARRAY.findall(shape):
         space = re.search(r"S\((\d+)\)", layout or "")
         if memory_space is not None and (int(space.group(1)) if space else 0) != memory_space:
             continue
