@@ -19,7 +19,7 @@ import os
 
 from rag_jax.devices import host
 
-SUITES = ("models", "index", "encode", "train_step", "generate", "e2e", "causal")
+SUITES = ("models", "index", "encode", "train_step", "generate", "e2e", "causal", "memo")
 
 
 def main(argv=None):

@@ -8,6 +8,12 @@ generator's own forward pass of that pair, and the joint step combines the value
 scores by the same arithmetic as from logits (`rag_math.nll_from_token_logprobs`). Training
 several epochs over a question set then costs one generator pass per distinct pair.
 
+Pairs whose prompts share a prefix (the passage: prompts are laid out passage first) are computed
+through it (`causal_prefix`): the prefix's keys and values once, then each pair's own tokens, the
+rest of its prompt and its answer; a pair that shares nothing takes the full forward pass
+(`pair_logprobs`, the reference). `AnswerMemo.fill` computes a whole study's pairs ahead of time,
+grouped by prefix across all of them.
+
 Keys are the pair's tokens (the prompt's real tokens and the answer's scored tokens), so a
 prompt layout, a question or an answer that changes is a new pair. A memo belongs to one generator
 and one tokenizer: its file is named by their fingerprint and holds it, and a file whose
@@ -22,16 +28,25 @@ import hashlib
 import io
 import json
 import pathlib
+import time
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rag_jax import causal, rag_math
+from rag_jax import causal, causal_prefix, rag_math
 from rag_jax.retrieval import encode, files
 from rag_jax.retrieval.tokenizer_id import tokenizer_fingerprint
 
 CHUNK = 8  # pairs per generator call: one compiled program per (prompt width, answer width)
+PROGRESS_EVERY_S = 10.0  # `AnswerMemo.fill`: seconds between progress lines
+SAVE_EVERY_S = 120.0  # `AnswerMemo.fill`: seconds between saves (what a kill can lose)
+
+
+def print_flushed(line: str) -> None:
+    """`AnswerMemo.fill`'s progress lines, flushed (a study's log shows them as they come)."""
+    print(line, flush=True)
 
 
 def calls(todo: list, size: int):
@@ -45,12 +60,33 @@ def calls(todo: list, size: int):
 
 
 def fingerprint(rag_cfg, generator_params, tokenizer) -> str:
-    """The generator's and tokenizer's fingerprint, which names and guards a memo."""
+    """The generator's and tokenizer's fingerprint, which names and guards a memo.
+
+    The generator's compute dtype is part of it: the same parameters computed in bfloat16 give
+    other log-probabilities than in float32, and a memo holds the values of one of them."""
     key = {
         "generator": encode.encoder_fingerprint(rag_cfg.generator, generator_params),
         "tokenizer": tokenizer_fingerprint(tokenizer),
+        "compute_dtype": str(rag_cfg.generator.dtype),
     }
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def pair_key(prompt_ids: np.ndarray, answer_ids: np.ndarray) -> bytes:
+    """The 20-byte key of a (prompt, answer) pair: sha1 of the prompt's length, then the prompt's
+    and the answer's int32 tokens (the length prefix: no other split of the same tokens into a
+    prompt and an answer has the same key).
+
+    Args:
+      prompt_ids: [S'] the prompt's real tokens.
+      answer_ids: [T'] the answer's scored tokens.
+    """
+    prompt_ids = np.asarray(prompt_ids, np.int32)
+    return hashlib.sha1(
+        np.int64(len(prompt_ids)).tobytes()
+        + prompt_ids.tobytes()
+        + np.asarray(answer_ids, np.int32).tobytes()
+    ).digest()
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -149,15 +185,15 @@ class MemoFile:
                 missing.append(r)
         self.computed += len(missing)
         self.reused += len(keys) - len(missing)
-        self._unsaved += len(missing)
         return missing
 
 
 class AnswerMemo(MemoFile):
     """Answer log-probabilities of (prompt, answer) pairs under one frozen causal generator.
 
-    `logprobs(...)` returns them for a batch, computing the pairs it has not seen; `save()`
-    writes the memo atomically to `<directory>/<fingerprint>.npz` (read back at construction).
+    `logprobs(...)` returns them for a batch, computing the pairs it has not seen; `fill(...)`
+    computes a study's pairs ahead of time; `save()` writes the memo atomically to
+    `<directory>/<fingerprint>.npz` (read back at construction).
     """
 
     what = "answer memo of generator/tokenizer"
@@ -196,15 +232,17 @@ class AnswerMemo(MemoFile):
         scored = np.asarray(causal.label_mask(labels, g.eos_token_id, self.cfg.pad_token_id))
         rows = np.repeat(np.arange(batch), n_docs)  # the question of each prompt row
         keys = [
-            hashlib.sha1(
-                context_ids[r][context_mask[r] == 1].astype(np.int32).tobytes()
-                + b"|"
-                + labels[b][scored[b]].astype(np.int32).tobytes()
-            ).digest()
+            pair_key(context_ids[r][context_mask[r] == 1], labels[b][scored[b]])
             for r, b in enumerate(rows)
         ]
         missing = self._missing(keys)
-        for chunk, take in calls(missing, CHUNK):
+        prompts = [context_ids[r][context_mask[r] == 1] for r in missing]
+        # Pairs whose prompts share a prefix (a passage other questions also retrieved) are
+        # computed through it; a prompt that shares none takes the full forward pass, CHUNK a
+        # call, at the batch's prompt width (one program, as before prefixes were shared).
+        groups = causal_prefix.group_by_prefix(prompts)
+        alone = [missing[group.pairs[0]] for group in groups if len(group.pairs) == 1]
+        for chunk, take in calls(alone, CHUNK):
             values = np.asarray(
                 pair_logprobs(
                     self.cfg,
@@ -215,8 +253,99 @@ class AnswerMemo(MemoFile):
                 )
             )
             for i, r in enumerate(chunk):
-                self.values[keys[r]] = values[i][scored[rows[r]]].astype(np.float32)
+                self._store(keys[r], values[i][scored[rows[r]]])
+        answers = [labels[rows[r]][: _scored_width(scored[rows[r]])] for r in missing]
+        for pairs, values in causal_prefix.logprob_calls(
+            g,
+            generator_params,
+            prompts,
+            answers,
+            [group for group in groups if len(group.pairs) > 1],
+        ):
+            for i, value in zip(pairs, values):
+                r = missing[i]
+                self._store(keys[r], value[scored[rows[r]][: len(value)]])
         out = np.zeros((batch * n_docs, width), np.float32)
         for r, (key, b) in enumerate(zip(keys, rows)):
             out[r, scored[b]] = self.values[key]
         return out.reshape(batch, n_docs, width)
+
+    def fill(
+        self,
+        generator_params,
+        prompts: Sequence[np.ndarray],
+        answers: Sequence[np.ndarray],
+        *,
+        progress: Callable[[str], None] | None = print_flushed,
+        save_every_s: float = SAVE_EVERY_S,
+    ) -> int:
+        """Computes every pair (prompts[m], answers[m]) the memo does not hold, ahead of training:
+        grouped by shared prompt prefix across all of them (`causal_prefix`), every pair through
+        its prefix. Saves every `save_every_s` seconds and at the end, so a kill loses at most
+        that much work.
+
+        Args:
+          generator_params: the frozen generator's parameters (those of the fingerprint).
+          prompts: M arrays [S_m] int, each prompt's real tokens (a `context_tokens` row where
+            its mask is 1).
+          answers: M label rows [T_m] int as the training batches hold them
+            (`training.inputs.answer_labels` rows: answer, EOS, then pads or the ignore index).
+          progress: called every `PROGRESS_EVERY_S` seconds and at the end with a line (pairs
+            done, pairs/s, time left); None: silent.
+          save_every_s: seconds between saves.
+
+        Returns:
+          How many pairs were computed (the distinct pairs not held before).
+        """
+        if len(prompts) != len(answers):
+            raise ValueError(f"{len(prompts)} prompts and {len(answers)} answers")
+        g = self.cfg.generator
+        pad = self.cfg.pad_token_id
+        # The rows as `logprobs` reads them (the ignore index as pad, then scored), padded here
+        # with the ignore index so that the padding is never scored.
+        labels = np.full((len(answers), max(map(len, answers), default=0)), causal.IGNORE_INDEX)
+        for m, answer in enumerate(answers):
+            answer = np.asarray(answer)
+            labels[m, : len(answer)] = np.where(answer == causal.IGNORE_INDEX, pad, answer)
+        scored = np.asarray(causal.label_mask(labels, g.eos_token_id, pad))
+        prompts = [np.asarray(p, np.int32) for p in prompts]
+        keys = [pair_key(p, labels[m][scored[m]]) for m, p in enumerate(prompts)]
+        missing = self._missing(keys)
+        start = noted = saved = time.monotonic()
+        done = 0
+        for pairs, values in causal_prefix.logprob_calls(
+            g,
+            generator_params,
+            [prompts[m] for m in missing],
+            [labels[m][: _scored_width(scored[m])] for m in missing],
+        ):
+            for i, value in zip(pairs, values):
+                m = missing[i]
+                self._store(keys[m], value[scored[m][: len(value)]])
+            done += len(pairs)
+            now = time.monotonic()
+            if progress is not None and now - noted >= PROGRESS_EVERY_S:
+                progress(_progress_line(done, len(missing), now - start))
+                noted = now
+            if now - saved >= save_every_s:
+                self.save()
+                saved = now
+        self.save()
+        if progress is not None:
+            progress(_progress_line(done, len(missing), time.monotonic() - start))
+        return len(missing)
+
+
+def _scored_width(scored: np.ndarray) -> int:
+    """How many leading labels of a row [T] to compute: up to its last scored one."""
+    where = np.flatnonzero(scored)
+    return int(where[-1]) + 1 if len(where) else 0
+
+
+def _progress_line(done: int, total: int, seconds: float) -> str:
+    rate = done / seconds if seconds > 0 else 0.0
+    left = (total - done) / rate if rate > 0 else float("inf") if done < total else 0.0
+    return (
+        f"answer memo: {done}/{total} pairs computed, {rate:.2f} pairs/s, "
+        f"{seconds / 60:.1f} min so far, {left / 60:.1f} min left"
+    )
