@@ -194,7 +194,8 @@ def _sequence_doc_terms(
       pad_token_id: positions whose target is this id are masked (unless `target_mask` is given).
       smoothing: compute the smoothing sums (otherwise None is returned for them).
       target_mask: [B, T] bool, the scored positions, instead of `target != pad_token_id`.
-      prior_at: the position whose log-probabilities carry the prior (BART: 1; causal: 0).
+      prior_at: the position whose log-probabilities carry the prior (BART: 1, as HF adds it);
+        0: a causal generator's, added once per sequence whichever positions are scored.
 
     Returns:
       ll: [B, N] `log p(z|x) + sum_t log p(y_t|x, z, y_<t)` over scored positions (the prior
@@ -205,21 +206,25 @@ def _sequence_doc_terms(
     batch, n_docs = doc_scores.shape
     _, length, vocab = seq_logits.shape
     seq_logits = seq_logits.reshape(batch, n_docs, length, vocab)  # -> [B, N, T, V]
-    prior = _prior(doc_scores, length, prior_at)  # -> [B, N, T]
+    # A causal generator's prior (prior_at 0) is the sequence's, added once whichever positions
+    # are scored (labels may ignore position 0); BART's rides on position 1 as in HF.
+    once = prior_at == 0
+    prior = jnp.zeros((batch, n_docs, length)) if once else _prior(doc_scores, length, prior_at)
+    doc_logprobs = jax.nn.log_softmax(doc_scores, axis=1) if once else 0.0  # [B, N]
     not_pad = _scored(target, pad_token_id, target_mask)[:, None, :]  # [B, 1, T]
     scored = not_pad & ~(skip_first[:, None, None] & (jnp.arange(length) == 0))  # [B, 1, T]
     if not smoothing:
         token_ll, _ = token_logprobs(seq_logits, target)  # -> [B, N, T]
-        return _sequence_ll(token_ll, prior, scored), None
+        return _sequence_ll(token_ll, prior, scored) + doc_logprobs, None
     seq_logprobs = jax.nn.log_softmax(seq_logits, axis=-1)  # [B, N, T, V]
     token_ll = jnp.take_along_axis(
         seq_logprobs, jnp.broadcast_to(target[:, None, :, None], (batch, n_docs, length, 1)), -1
     )[..., 0]  # -> [B, N, T]
-    ll = _sequence_ll(token_ll, prior, scored)
+    ll = _sequence_ll(token_ll, prior, scored) + doc_logprobs
     # Summing the prior-shifted log-probs over the vocab adds V times the prior; adding it once,
     # scaled, avoids materialising a second [B, N, T, V] array.
     token_smooth = seq_logprobs.sum(axis=-1) + vocab * prior  # [B, N, T]
-    smooth = jnp.where(not_pad, token_smooth, 0.0).sum(axis=2)
+    smooth = jnp.where(not_pad, token_smooth, 0.0).sum(axis=2) + vocab * doc_logprobs
     return ll, smooth
 
 
@@ -261,7 +266,7 @@ def nll_from_token_logprobs(
       token_logprobs: [B, N, T] `log p(y_t|x, z_n, y_<t)` (any value where not scored).
       doc_scores: [B, N] retrieval scores (unnormalised).
       scored: [B, T] bool, the answer positions that count (`causal.label_mask`).
-      variant: "sequence" (the prior added once, at position 0) or "token".
+      variant: "sequence" (the prior added once per sequence) or "token".
     """
     if token_logprobs.shape[:2] != doc_scores.shape or token_logprobs.shape[::2] != scored.shape:
         raise ValueError(
@@ -269,9 +274,9 @@ def nll_from_token_logprobs(
             f"{tuple(doc_scores.shape)} [B, N] and scored {tuple(scored.shape)} [B, T]"
         )
     scored = scored.astype(bool)
-    if variant == "sequence":
-        prior = _prior(doc_scores, token_logprobs.shape[-1], prior_at=0)
-        ll = _sequence_ll(token_logprobs, prior, scored[:, None, :])
+    if variant == "sequence":  # the prior once, whichever positions are scored
+        doc_logprobs = jax.nn.log_softmax(doc_scores, axis=1)  # [B, N]
+        ll = jnp.where(scored[:, None, :], token_logprobs, 0.0).sum(axis=2) + doc_logprobs
         return -jax.nn.logsumexp(ll, axis=1)
     if variant == "token":
         return _token_ll(token_logprobs, doc_scores, scored)

@@ -432,3 +432,35 @@ def test_rag_sequence_fast_scores_match_brute_force():
             answer = tuple(beam_tokens[b, c // num_beams, c % num_beams])
             p = sum(prior[b, z] * np.exp(by_doc[z].get(answer, -np.inf)) for z in range(N))
             np.testing.assert_allclose(got[b, c], np.log(p), **TOL, err_msg=f"{b} {c}")
+
+
+@pytest.mark.parametrize("epsilon", [0.0, 0.1])
+def test_a_causal_sequence_prior_is_added_once_whatever_positions_are_scored(epsilon):
+    """Labels that ignore position 0 (HF's -100 there) still carry log p(z|x): the NLL is
+    -log sum_z p(z|x) prod_{t scored} p(y_t | x, z, y_<t), never a likelihood above 1."""
+    rng = np.random.default_rng(11)
+    batch, n_docs, length, vocab = 2, 3, 4, 7
+    logits = rng.normal(size=(batch * n_docs, length, vocab))
+    scores = rng.normal(size=(batch, n_docs))
+    target = rng.integers(0, vocab, size=(batch, length))
+    mask = np.array([[False, True, True, False], [True, True, True, True]])
+    got = rag_math.rag_sequence_nll(
+        jnp.asarray(logits, jnp.float32), jnp.asarray(scores, jnp.float32), jnp.asarray(target),
+        pad_token_id=0, bos_token_id=None, n_docs=n_docs, epsilon=epsilon, aligned=True,
+        target_mask=jnp.asarray(mask),
+    )  # fmt: skip
+    logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    logp = logp.reshape(batch, n_docs, length, vocab)
+    prior = scores - np.log(np.exp(scores).sum(-1, keepdims=True))  # [B, N]
+    picked = np.take_along_axis(logp, target[:, None, :, None], -1)[..., 0]  # [B, N, T]
+    ll = (picked * mask[:, None]).sum(-1) + prior
+    nll = -np.log(np.exp(ll).sum(-1))
+    smooth = (logp.sum(-1) * mask[:, None]).sum(-1) + vocab * prior
+    smooth = -np.log(np.exp(smooth).sum(-1))
+    want = (1 - epsilon) * nll + epsilon / vocab * smooth if epsilon else nll
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    memo = rag_math.nll_from_token_logprobs(
+        jnp.asarray(picked, jnp.float32), jnp.asarray(scores, jnp.float32), jnp.asarray(mask),
+        "sequence",
+    )  # fmt: skip
+    np.testing.assert_allclose(memo, nll, rtol=1e-5)
