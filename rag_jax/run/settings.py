@@ -67,6 +67,11 @@ SCHEMA: dict[str, dict[str, tuple]] = {
             "max_train / max_eval take a seeded sample of N (kept in file order) instead of the "
             "first N; -1 = the first N",
         ),
+        "sample_by": (
+            "question",
+            "what that seeded sample draws: question | article (whole articles of the gold "
+            "passages' titles, in a seeded order, the last one cut; nested in N)",
+        ),
         # TFDS.
         "tfds_name": ("", "a TFDS builder (data.source='tfds'), e.g. natural_questions_open"),
         "train_split": ("train", "the TFDS training split"),
@@ -290,6 +295,32 @@ SCHEMA: dict[str, dict[str, tuple]] = {
             0,
             "steps before the retriever towers train: until the generator reads, their gradient "
             "is noise that undoes the warm start",
+        ),
+        "retriever_loss": (
+            "marginal",
+            "what trains the question encoder (rag_jax.retriever_losses): marginal (RAG's own "
+            "loss) | emdr2 | pdist (Atlas' PDist, REPLUG's LSR) | loop (Atlas' leave-one-out); "
+            "the generator's loss stays RAG's marginal over rag.n_docs",
+        ),
+        "retriever_candidates": (
+            0,
+            "K, the passages per question the retriever's loss spans (the generator reads the "
+            "best rag.n_docs of them); 0 = rag.n_docs",
+        ),
+        "retriever_lm_temperature": (
+            0.1,
+            "tau_g of pdist and loop: the reader's posterior softmax(log p_LM / tau_g)",
+        ),
+        "retriever_score_temperature": (
+            1.0,
+            "tau_s: the retriever's distribution softmax(doc score / tau_s) in its own loss "
+            "(the doc scores are already scaled by rag.doc_score_scale)",
+        ),
+        "retriever_shuffle_reader": (
+            False,
+            "a control: each question's candidates get one another's reader likelihoods "
+            "(permuted per step), so what the retriever learns is not the reader's feedback; "
+            "needs train.answer_memo",
         ),
         "weight_decay": (0.01, "AdamW decoupled weight decay"),
         "no_decay": (r"(bias|scale|ln|final_logits_bias)", "paths without weight decay (regex)"),

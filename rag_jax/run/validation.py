@@ -12,6 +12,7 @@ import re
 
 import ml_collections
 
+from rag_jax import retriever_losses
 from rag_jax.devices import sharding
 from rag_jax.io import hf_format
 from rag_jax.models import bart, flash, remat
@@ -151,6 +152,7 @@ def _check_choices(config: ml_collections.ConfigDict) -> None:
     choices = [
         ("data.source", config.data.source, ("synthetic", "files", "tfds")),
         ("data.target", config.data.target, ("first", "sample")),
+        ("data.sample_by", config.data.sample_by, ("question", "article")),
         ("model.init", config.model.init, ("random", "pretrained", "hf_rag")),
         ("model.dtype", config.model.dtype, ("float32", "bfloat16")),
         ("warm_start.method", config.warm_start.method, ("ict", "none")),
@@ -168,6 +170,7 @@ def _check_choices(config: ml_collections.ConfigDict) -> None:
         ("retrieval.index", config.retrieval.index, ("exact", "scann", "device")),
         ("retrieval.passage_format", config.retrieval.passage_format, ("pair", "single")),
         ("train.optimizer", config.train.optimizer, ("adamw", "sgd")),
+        ("train.retriever_loss", config.train.retriever_loss, retriever_losses.OBJECTIVES),
         ("train.optimizer_impl", config.train.optimizer_impl, ("optax", "fused")),
         ("model.attention_impl", config.model.attention_impl, flash.IMPLS),
         ("model.remat_policy", config.model.remat_policy, remat.POLICIES),
@@ -257,6 +260,30 @@ def _check_answer_memo(config: ml_collections.ConfigDict) -> None:
         )
 
 
+def _check_retriever_objective(config: ml_collections.ConfigDict) -> None:
+    """`train.retriever_*`: a valid objective (`retriever_losses.RetrieverObjective` names the
+    value at fault), and candidates for it to span."""
+    t = config.train
+    objective = retriever_losses.RetrieverObjective(
+        t.retriever_loss,
+        t.retriever_candidates,
+        t.retriever_lm_temperature,
+        t.retriever_score_temperature,
+    )
+    if t.retriever_shuffle_reader and not (t.answer_memo and objective.separate(config.rag.n_docs)):
+        raise ValueError(
+            "config.train.retriever_shuffle_reader permutes the memoised reader likelihoods the "
+            "retriever's own objective reads: set config.train.answer_memo=True and a "
+            "retriever_loss other than marginal (or retriever_candidates > rag.n_docs)"
+        )
+    if objective.separate(config.rag.n_docs) and config.rag.closed_book:
+        raise ValueError(
+            f"config.train.retriever_loss={t.retriever_loss!r} (candidates "
+            f"{t.retriever_candidates}) trains the retriever, but config.rag.closed_book "
+            "retrieves nothing; leave the train.retriever_* settings at their defaults"
+        )
+
+
 def validate(config: ml_collections.ConfigDict, num_devices: int, *, paths: bool = True) -> None:
     """Start-up checks of invariants, each error naming the value and what would be right.
 
@@ -312,6 +339,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int, *, paths: bool
             f"config.eval.n_docs={config.eval.n_docs} but config.rag.closed_book retrieves "
             "nothing (one empty passage); use 0"
         )
+    _check_retriever_objective(config)
     _check_answer_memo(config)
     if paths:
         _check_paths(config)

@@ -25,13 +25,19 @@ from rag_jax.run import data, metrics
 from rag_jax.training import optim
 from rag_jax.training.inputs import answer_labels, context_width, label_width, question_tokens
 from rag_jax.training.memo import AnswerMemo
+from rag_jax.training.step import candidate_count
 
 
 def batch_shapes(config, rag_cfg: rag.RagConfig, batch_size: int) -> dict:
     """The arrays of the widest training batch `Batcher.train_batch` makes (contexts S, labels T
     wide) for `batch_size` questions, as `jax.ShapeDtypeStruct`s: what the trainer compiles
     first, and what a compile without data is made for (`benchmarks.aot`)."""
-    n, q, d = rag_cfg.n_docs, config.data.question_length, rag_cfg.question_encoder.embedding_dim
+    # K candidates per question (rag.n_docs unless the retriever has its own objective).
+    n, q, d = (
+        candidate_count(config),
+        config.data.question_length,
+        rag_cfg.question_encoder.embedding_dim,
+    )
     shapes = {
         "question_input_ids": ((batch_size, q), np.int32),
         "question_attention_mask": ((batch_size, q), np.int32),
@@ -84,6 +90,15 @@ def answer_memo(exp, mesh) -> AnswerMemo:
     return memo
 
 
+def shuffled_candidates(answer_logprobs: np.ndarray, seed: int, step: int, block: int):
+    """[B, K, T] `answer_logprobs` with each question's K candidates permuted (a fixed function
+    of the seed, step and process block): the shuffled-reader control, where a retriever that
+    gains learned from something other than the reader's judgement of each passage."""
+    rng = np.random.default_rng([seed, step, block, 0x5EED])
+    order = np.argsort(rng.random(answer_logprobs.shape[:2]), axis=1)  # -> [B, K]
+    return np.take_along_axis(answer_logprobs, order[:, :, None], axis=1)
+
+
 @dataclasses.dataclass
 class TrainBatch:
     """One training batch, this process's rows."""
@@ -115,6 +130,7 @@ class Batcher:
         self._prepared: dict[int, tuple] = {}  # step -> its parameter-free host work
         memoised = train and exp.config.train.answer_memo
         self.memo = answer_memo(exp, mesh) if memoised else None
+        self._rows = None  # (store, passage id -> row): the gold objective's lookup
 
     def save_memo(self) -> None:
         """Writes the answer memo's new pairs (`train.answer_memo`; nothing without one)."""
@@ -125,6 +141,50 @@ class Batcher:
                 f"{self.memo.reused} reused in this process)",
                 flush=True,
             )
+
+    def memo_pairs(self, params, examples, retriever, chunk: int = 256) -> tuple[list, list]:
+        """The (prompt, answer) pairs training on `examples` asks the answer memo for while the
+        question encoder is `params`': each example's K candidates (`step.candidate_count`), the
+        prompt's real tokens and the target's labels as `train_batch` lays them out, for
+        `AnswerMemo.fill` to compute ahead of training, grouped by shared passage.
+
+        Args:
+          params: the parameters whose question encoder retrieves (the run's initial ones:
+            a frozen retriever's candidates, and a training one's first).
+          examples: training examples (`data.target` must be "first": a sampled target
+            changes with the step).
+          retriever: the run's retriever.
+          chunk: questions encoded and retrieved at a time.
+
+        Returns:
+          (prompts: M arrays [S_m] int32, answers: M label rows [T]), M = len(examples) * K.
+        """
+        c = self.exp.config
+        if c.data.target != "first":
+            raise ValueError(
+                f"config.data.target={c.data.target!r}: a memo is filled ahead for the first "
+                "answer only (a sampled target changes with the step)"
+            )
+        retriever = retriever.with_n_docs(candidate_count(c))
+        prompts, answers = [], []
+        for start in range(0, len(examples), chunk):
+            part = examples[start : start + chunk]
+            fields, pieces = self.questions(part)
+            labels = answer_labels(
+                self.exp.generator_tokenizer,
+                [data.pick_target(e.answers, "first", c.seed, 0, 0) for e in part],
+                self.exp.rag_cfg,
+                c.data.answer_length,
+            )
+            vectors = self.embed(
+                params, fields["question_input_ids"], fields["question_attention_mask"]
+            )  # -> [chunk, D], on one device: no batch to shard
+            hits = retriever(np.asarray(vectors), pieces)  # -> [chunk * K, S] contexts
+            for r in range(len(hits.context_input_ids)):
+                real = hits.context_attention_mask[r] == 1
+                prompts.append(hits.context_input_ids[r][real].astype(np.int32))
+                answers.append(labels[r // retriever.n_docs])
+        return prompts, answers
 
     def questions(self, examples):
         c = self.exp.config
@@ -177,6 +237,28 @@ class Batcher:
         for i, row in enumerate(rows):
             ids[i, : len(row)], mask[i, : len(row)] = row, 1
         return ids, mask
+
+    def gold_arrays(self, examples, doc_ids: np.ndarray, retriever) -> dict[str, np.ndarray]:
+        """The `gold` objective's inputs: each question's (first) gold passage's stored vector
+        [B, D] and which of its candidates [B, K] are a gold passage of it."""
+        store = retriever.store
+        if self._rows is None or self._rows[0] is not store:
+            self._rows = (store, {store.ids[i]: i for i in range(len(store))})
+        rows = self._rows[1]
+        gold = []
+        for e in examples:
+            known = [rows[g] for g in e.gold_ids if g in rows]
+            if not known:
+                raise ValueError(
+                    f"config.train.retriever_loss='gold': question {e.id!r} has no gold passage "
+                    f"in the corpus (gold_ids {list(e.gold_ids)})"
+                )
+            gold.append(known[0])
+        is_gold = np.array(
+            [[store.ids[int(j)] in e.gold_ids for j in row] for e, row in zip(examples, doc_ids)]
+        )
+        vectors = np.asarray(retriever.vectors[np.array(gold)], np.float32)  # -> [B, D]
+        return {"gold_vectors": vectors, "candidate_is_gold": is_gold}
 
     def _examples(self, step: int):
         """This process's rows of batch `step`: (their train-set indices, the examples)."""
@@ -235,6 +317,9 @@ class Batcher:
             )
         )
         labels = labels[:, :width]
+        n_docs = self.exp.rag_cfg.n_docs
+        if not isinstance(retriever, ClosedBook):  # K >= N candidates: the retriever's own loss
+            retriever = retriever.with_n_docs(candidate_count(c))
         hits, retrieval = retriever.for_step(
             state.next_doc_ids,
             lambda: self.question_vectors(state.params, fields),
@@ -256,6 +341,12 @@ class Batcher:
                 context_input_ids=context_ids.reshape(shape),
                 context_attention_mask=context_mask.reshape(shape),
             )
+        if c.train.retriever_shuffle_reader:  # the control: the reader's judgement scrambled
+            arrays["answer_logprobs"] = shuffled_candidates(
+                arrays["answer_logprobs"], c.seed, step, self.block
+            )
+        if c.train.retriever_loss == "gold":  # the supervised control's gold passages
+            arrays.update(self.gold_arrays(examples, hits.doc_ids, retriever))
         if c.retrieval.refresh_every:  # a trainable passage encoder re-encodes them
             ids, mask = self.passage_tokens(hits.doc_ids, retriever.store)
             arrays.update(
@@ -265,7 +356,7 @@ class Batcher:
         if not isinstance(retriever, ClosedBook):
             recall = metrics.answer_recall(
                 [e.answers for e in examples],
-                [[retriever.store.text(int(j)) for j in row] for row in hits.doc_ids],
-                [self.exp.rag_cfg.n_docs],
+                [[retriever.store.text(int(j)) for j in row[:n_docs]] for row in hits.doc_ids],
+                [n_docs],
             )
         return TrainBatch(arrays, retrieval, distributed.sum_over_processes(recall))

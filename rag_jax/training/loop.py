@@ -39,7 +39,14 @@ from rag_jax.run.evaluation import evaluate, summary_metrics
 from rag_jax.training import refresh
 from rag_jax.training.batcher import Batcher
 from rag_jax.training.optim import make_optimizer
-from rag_jax.training.step import TrainState, init_state, make_train_step, search_ids
+from rag_jax.training.step import (
+    TrainState,
+    candidate_count,
+    init_state,
+    make_train_step,
+    retriever_objective,
+    search_ids,
+)
 
 # ---------------------------------------------------------------------------------------------
 # The loop
@@ -102,14 +109,14 @@ def _init_state(exp: experiment.Experiment, retriever, batcher: Batcher, tx, mes
     passages (each later step searches for the next)."""
     where = sharding.param_sharding(mesh, exp.params, exp.config.train.param_sharding)
     params = jax.device_put(exp.params, where)
-    search = functools.partial(_first_search, exp.rag_cfg, params)
+    search = functools.partial(_first_search, exp.rag_cfg, candidate_count(exp.config), params)
     first = lambda: distributed.shard_batch(mesh, batcher.question_fields(0))  # noqa: E731
     return init_state(params, tx, retriever.initial_doc_ids(search, first, mesh))
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def _first_search(rag_cfg, params, index, questions):
-    return search_ids(rag_cfg, params, index, questions, rag_cfg.n_docs)
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _first_search(rag_cfg, n_docs, params, index, questions):
+    return search_ids(rag_cfg, params, index, questions, n_docs)
 
 
 def state_sharding(config: ml_collections.ConfigDict, mesh, state: TrainState) -> TrainState:
@@ -137,7 +144,9 @@ def abstract_state(config: ml_collections.ConfigDict, params, tx, mesh, in_step:
     """
     next_ids = None
     if in_step:
-        next_ids = jax.ShapeDtypeStruct((config.train.batch_size, config.rag.n_docs), jnp.int32)
+        next_ids = jax.ShapeDtypeStruct(
+            (config.train.batch_size, candidate_count(config)), jnp.int32
+        )
     shapes = jax.eval_shape(lambda: init_state(params, tx, next_ids))
     where = state_sharding(config, mesh, shapes)
     to_struct = lambda s, w: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=w)  # noqa: E731
@@ -156,9 +165,10 @@ def make_step_fn(config: ml_collections.ConfigDict, rag_cfg, passage_cfg, tx, in
         dropout_rng,
         config.model.deterministic,
         passage_cfg if config.retrieval.refresh_every else None,
-        search_n_docs=rag_cfg.n_docs * in_step,
+        search_n_docs=candidate_count(config) * in_step,
         state_sharding=state_where,
         frozen=config.train.freeze,
+        objective=retriever_objective(config),
     )
 
 
@@ -299,10 +309,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir) -> dict:
     logger = _Logger(workdir)
     eval_examples = exp.eval[: config.eval.max_examples or None]
 
-    def evaluate_now(params, retriever, examples=eval_examples, generate=True):
+    def evaluate_now(params, retriever, examples=eval_examples, generate=True, per_question=None):
         return evaluate(
             exp, params, examples, mesh=mesh, variant=variant, retriever=retriever,
-            generate=generate,
+            generate=generate, per_question=per_question,
         )  # fmt: skip
 
     before_path = workdir / "eval_before.json"
@@ -392,13 +402,15 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir) -> dict:
     retriever = retrievers.finish(state.params)  # the final passage encoder's index
 
     after, predictions = {}, []
+    per_question = []  # every held-out question's metrics: what paired comparisons read
     if config.eval.enabled:
-        after, predictions = evaluate_now(state.params, retriever)
+        after, predictions = evaluate_now(state.params, retriever, per_question=per_question)
         logger.write(step, after, "eval/")
     logger.close()
     if jax.process_index() == 0 and config.eval.enabled:
-        with open(workdir / "predictions.jsonl", "w", encoding="utf-8") as f:
-            f.writelines(json.dumps(p) + "\n" for p in predictions)
+        for name, records in (("predictions", predictions), ("per_question", per_question)):
+            text = "".join(json.dumps(p) + "\n" for p in records)
+            files.write_atomic(workdir / f"{name}.jsonl", text.encode())
     if tc.bundle and step == tc.steps:
         _write_bundle(exp, state, retriever, step, workdir / "bundle")
     recall_before, em_before = summary_metrics(before)

@@ -19,7 +19,8 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from rag_jax import rag
+from rag_jax import causal, rag, rag_math, retriever_losses
+from rag_jax.retriever_losses import RetrieverObjective, retriever_loss
 from rag_jax.training import optim
 
 
@@ -115,11 +116,32 @@ _PER_DOC_TOKENS = (
 )
 
 
+def retriever_objective(config) -> RetrieverObjective:
+    """The run's `RetrieverObjective` from its `train.retriever_*` settings."""
+    t = config.train
+    return RetrieverObjective(
+        t.retriever_loss,
+        t.retriever_candidates,
+        t.retriever_lm_temperature,
+        t.retriever_score_temperature,
+    )
+
+
+def candidate_count(config) -> int:
+    """K, the passages a training batch carries per question: rag.n_docs, or more for the
+    retriever's own objective (`train.retriever_candidates`)."""
+    return retriever_objective(config).count(config.rag.n_docs)
+
+
 def rag_metrics(loss, aux, grads) -> dict:
-    """(sum, count) pairs of the joint step: NLL, doc entropy, gradient norms."""
+    """(sum, count) pairs of the joint step: NLL, doc entropy, gradient norms, and the
+    retriever's own loss when it has one."""
     del loss
     weights = aux["weights"]
-    return {
+    extra = {}
+    if "retriever_loss" in aux:
+        extra["retriever_loss"] = (jnp.sum(aux["retriever_loss"] * weights), jnp.sum(weights))
+    return extra | {
         "loss": (jnp.sum(aux["nll"] * weights), jnp.sum(weights)),
         "doc_entropy": (jnp.sum(_entropy(aux["doc_scores"]) * weights), jnp.sum(weights)),
         "grad_norm": (optax.tree.norm(grads), jnp.ones(())),
@@ -128,28 +150,134 @@ def rag_metrics(loss, aux, grads) -> dict:
 
 
 def joint_loss_fn(
-    rag_cfg: rag.RagConfig, variant: str, passage_cfg=None, frozen: str = ""
+    rag_cfg: rag.RagConfig,
+    variant: str,
+    passage_cfg=None,
+    frozen: str = "",
+    objective: RetrieverObjective | None = None,
 ) -> Callable:
     """The joint step's `loss_fn(params, batch, rng) -> (loss, aux)` over a training batch.
 
     The parameters whose paths match `frozen` (`train.freeze`) enter the loss as constants: the
     optimizer gives them zero updates anyway, and no gradient is computed for them (a frozen
     generator then costs a forward pass only: the doc scores' gradient needs only each
-    passage's likelihood)."""
+    passage's likelihood).
+
+    `objective` (`train.retriever_*`, `retriever_losses`): by default RAG's marginal over the
+    N passages trains both halves. When the retriever has a loss of its own
+    (`RetrieverObjective.separate`), the batch carries K >= N candidates per question, best
+    first; the generator's loss is RAG's marginal over the first N with the retriever's towers
+    held constant, and the retriever's loss spans all K with the reader's likelihoods held
+    constant; the step minimises their sum (each reaches only its own half)."""
     labels = optim.path_labels if frozen else None
+    objective = objective or RetrieverObjective()
+    separate = objective.separate(rag_cfg.n_docs)
 
     def loss_fn(params, batch, rng):
         if labels is not None:
             fixed = labels(params, frozen, True, False)
             params = jax.tree.map(lambda p, f: jax.lax.stop_gradient(p) if f else p, params, fixed)
-        # Token leaves travel as [B, N, L] so every leaf shards over B; the loss takes [B * N, L].
-        flat = dict(batch)
-        for key in _PER_DOC_TOKENS:
-            if key in batch:
-                flat[key] = batch[key].reshape(-1, batch[key].shape[-1])  # -> [B * N, L]
-        return rag.loss_fn(rag_cfg, params, flat, variant, rng, passage_cfg)
+        if separate:
+            return _with_retriever_objective(
+                rag_cfg, objective, variant, passage_cfg, params, batch, rng
+            )
+        return rag.loss_fn(rag_cfg, params, _flat(batch), variant, rng, passage_cfg)
 
     return loss_fn
+
+
+def _flat(batch: dict) -> dict:
+    """Token leaves travel as [B, N, L] so every leaf shards over B; the loss takes [B * N, L]."""
+    flat = dict(batch)
+    for key in _PER_DOC_TOKENS:
+        if key in batch:
+            flat[key] = batch[key].reshape(-1, batch[key].shape[-1])  # -> [B * N, L]
+    return flat
+
+
+def _first_docs(batch: dict, n_docs: int) -> dict:
+    """The batch with only the first `n_docs` candidates of each question (the generator's)."""
+    per_doc = (*_PER_DOC_TOKENS, "doc_vectors", "answer_logprobs")
+    return {k: v[:, :n_docs] if k in per_doc else v for k, v in batch.items()}
+
+
+def _with_retriever_objective(rag_cfg, objective, variant, passage_cfg, params, batch, rng):
+    """`joint_loss_fn`'s loss when the retriever has an objective of its own (see there)."""
+    n_docs = rag_cfg.n_docs
+    towers = ("question_encoder", "passage_encoder")
+    constant_towers = {k: jax.lax.stop_gradient(v) if k in towers else v for k, v in params.items()}
+    generator_loss, aux = rag.loss_fn(
+        rag_cfg, constant_towers, _flat(_first_docs(batch, n_docs)), variant, rng, passage_cfg
+    )
+    q_rng = None if rng is None else jax.random.split(rng)[0]  # the question's, as rag.loss_fn's
+    q = rag.question_embeddings(
+        rag_cfg, params, batch["question_input_ids"], batch["question_attention_mask"], q_rng
+    )  # -> [B, D]
+    if "passage_input_ids" in batch:  # a trainable passage encoder: its vectors, recomputed
+        ids = batch["passage_input_ids"]
+        p_rng = None if q_rng is None else jax.random.fold_in(q_rng, 1)
+        docs = rag.passage_embeddings(
+            passage_cfg,
+            params,
+            ids.reshape(-1, ids.shape[-1]),
+            batch["passage_attention_mask"].reshape(-1, ids.shape[-1]),
+            p_rng,
+        ).reshape(ids.shape[0], ids.shape[1], -1)  # -> [B, K, D]
+    else:
+        docs = batch["doc_vectors"]  # [B, K, D]
+    scores = rag.doc_scores(q, docs, rag_cfg.doc_score_scale)  # -> [B, K]
+    if objective.loss == "gold":  # the supervised control: gold passages, not the reader
+        golds = batch["gold_vectors"]  # [B, D], every question's gold passage
+        in_batch = rag.doc_scores(
+            q, jnp.broadcast_to(golds[None], (q.shape[0], *golds.shape)), rag_cfg.doc_score_scale
+        )  # -> [B, B]
+        per_question = retriever_losses.gold(
+            in_batch, scores, batch["candidate_is_gold"], objective.score_temperature
+        )
+    else:
+        token_lp, scored = candidate_token_logprobs(rag_cfg, params, batch)
+        per_question = retriever_loss(objective, scores, token_lp, scored, variant)  # -> [B]
+    weights = aux["weights"]
+    total = jnp.sum(per_question * weights)
+    mean = total if rag_cfg.reduce_loss else total / jnp.maximum(jnp.sum(weights), 1.0)
+    aux = dict(aux, retriever_loss=per_question, candidate_scores=scores)
+    return generator_loss + mean, aux
+
+
+def candidate_token_logprobs(rag_cfg: rag.RagConfig, params, batch) -> tuple[jax.Array, jax.Array]:
+    """The reader's answer-token log-probabilities under each of a batch's K candidates, as
+    constants: ([B, K, T], the scored positions [B, T] bool).
+
+    A frozen causal generator's come from its memo (`answer_logprobs`); otherwise the generator
+    reads the K contexts once more, without gradient or dropout (its judgement of the
+    candidates, not a training pass). The scored positions are those of RAG-Sequence's
+    likelihood: a causal generator's answer and EOS (`causal.label_mask`); BART's shifted
+    targets that are not pad, less the BOS that `exclude_bos_score` leaves out.
+    """
+    labels = jnp.asarray(batch["labels"], jnp.int32)
+    labels = jnp.where(labels == causal.IGNORE_INDEX, rag_cfg.pad_token_id, labels)
+    pad = rag_cfg.pad_token_id
+    if rag_cfg.causal:
+        target = labels
+        scored = causal.label_mask(labels, rag_cfg.generator.eos_token_id, pad)
+    else:  # BART's logits at t predict labels[t + 1] (HF's RAG shifts the targets left)
+        target = jnp.concatenate([labels[:, 1:], jnp.full_like(labels[:, :1], pad)], axis=1)
+        scored = target != pad
+        if rag_cfg.exclude_bos_score and rag_cfg.bos_token_id is not None:
+            scored = scored.at[:, 0].set(scored[:, 0] & (target[:, 0] != rag_cfg.bos_token_id))
+    if "answer_logprobs" in batch:
+        return jax.lax.stop_gradient(batch["answer_logprobs"]), scored
+    ids, mask = batch["context_input_ids"], batch["context_attention_mask"]  # [B, K, S]
+    seq_logits = rag.generator_logits(
+        rag_cfg,
+        jax.lax.stop_gradient(params),
+        ids.reshape(-1, ids.shape[-1]),
+        mask.reshape(-1, ids.shape[-1]),
+        labels,
+    )  # -> [B * K, T, V]
+    seq_logits = seq_logits.reshape(ids.shape[0], ids.shape[1], *seq_logits.shape[1:])
+    token_lp, _ = rag_math.token_logprobs(seq_logits, target)  # -> [B, K, T]
+    return jax.lax.stop_gradient(token_lp), scored
 
 
 def make_train_step(
@@ -162,10 +290,13 @@ def make_train_step(
     search_n_docs: int = 0,
     state_sharding=None,
     frozen: str = "",
+    objective: RetrieverObjective | None = None,
 ):
     """The joint step `train_step(state, batch, retrieval=None) -> (state, metrics)`.
 
     `frozen` (`train.freeze`): those parameters are constants of the loss (`joint_loss_fn`).
+    `objective` (`train.retriever_*`): how the retriever trains (`joint_loss_fn`); with an
+    in-step search, `search_n_docs` is then its K candidates.
 
     `passage_cfg` is needed when batches carry passage tokens (a trainable passage encoder).
     `state_sharding` is the state's placement, kept by the new state (`make_step`).
@@ -178,7 +309,7 @@ def make_train_step(
     host round trip; they are returned in `state.next_doc_ids`.
     """
 
-    loss_fn = joint_loss_fn(rag_cfg, variant, passage_cfg, frozen)
+    loss_fn = joint_loss_fn(rag_cfg, variant, passage_cfg, frozen, objective)
     search_fn = None
     if search_n_docs:
 

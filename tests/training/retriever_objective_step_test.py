@@ -1,0 +1,174 @@
+"""The joint step with the retriever's own objective (`train.retriever_*`): K candidates, the
+generator's loss RAG's marginal over the first N, the retriever's over all K, each reaching only
+its own half; for BART and a causal generator, trained or frozen, from logits or the memo."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from rag_jax import rag
+from rag_jax.models import bart, bert, llama
+from rag_jax.retriever_losses import RetrieverObjective
+from rag_jax.training import memo, step
+
+B, N, K, S, T, Q, D = 2, 3, 5, 12, 4, 5, 8
+TAU_G, TAU_S = 0.6, 1.5
+TOWERS = ("question_encoder",)
+
+
+def _q_cfg():
+    return bert.BertConfig(
+        vocab_size=17, hidden_size=D, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=8, max_position_embeddings=8, initializer_range=0.3,
+    )  # fmt: skip
+
+
+def _setup(kind: str):
+    rng = np.random.default_rng(0)
+    if kind == "causal":
+        g_cfg = llama.LlamaConfig(
+            vocab_size=29, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+            tie_word_embeddings=True, eos_token_id=2, pad_token_id=0, init_std=0.3,
+        )  # fmt: skip
+        cfg = rag.RagConfig(question_encoder=_q_cfg(), generator=g_cfg, n_docs=N, bos_token_id=None)
+        labels = np.zeros((B, T), np.int32)
+        labels[:, :2] = rng.integers(3, 29, size=(B, 2))
+        labels[0, 2], labels[1, 2:] = 5, 2  # answers of 3 and 2 tokens, then EOS
+        labels[0, 3] = 2
+    else:
+        g_cfg = bart.BartConfig(
+            vocab_size=29, d_model=16, encoder_layers=1, decoder_layers=1,
+            encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=24,
+            decoder_ffn_dim=24, max_position_embeddings=32, dropout=0.0, init_std=0.3,
+            pad_token_id=1, bos_token_id=0, eos_token_id=2, decoder_start_token_id=2,
+        )  # fmt: skip
+        # The BOS scored (exclude_bos_score=False), as `rag.doc_posteriors` scores it.
+        cfg = rag.RagConfig(question_encoder=_q_cfg(), generator=g_cfg, n_docs=N)
+        labels = np.full((B, T + 1), 1, np.int32)
+        labels[:, 0], labels[:, 1] = 2, 0  # decoder start, BOS
+        labels[:, 2:4] = rng.integers(3, 29, size=(B, 2))
+        labels[:, 4] = 2
+    params = rag.init_params(cfg, jax.random.PRNGKey(0))
+    lengths = rng.integers(5, S + 1, size=(B * K, 1))
+    mask = (np.arange(S)[None] < lengths).astype(np.int32)  # left-aligned, as the store writes
+    batch = {
+        "question_input_ids": jnp.asarray(rng.integers(1, 17, size=(B, Q)), jnp.int32),
+        "question_attention_mask": jnp.ones((B, Q), jnp.int32),
+        "doc_vectors": jnp.asarray(rng.normal(size=(B, K, D)), jnp.float32),
+        "context_input_ids": jnp.asarray(
+            (rng.integers(3, 29, size=(B * K, S)) * mask + (1 - mask) * g_cfg.pad_token_id)
+            .reshape(B, K, S)
+            .astype(np.int32)
+        ),
+        "context_attention_mask": jnp.asarray(mask.reshape(B, K, S)),
+        "labels": jnp.asarray(labels),
+    }
+    return cfg, params, batch
+
+
+def _close(a, b):
+    """Whole-model gradients of two differently compiled programs: the model tolerance (1e-4),
+    an element near 0 held to 1e-5 of the largest."""
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5 * float(np.max(np.abs(b))))
+
+
+def _loss_grads(cfg, objective, frozen, batch, params):
+    loss_fn = step.joint_loss_fn(cfg, "sequence", frozen=frozen, objective=objective)
+    return jax.jit(jax.value_and_grad(lambda p, b: loss_fn(p, b, None)[0]))(params, batch)
+
+
+def _first(batch, n):
+    return {k: v[:, :n] if v.ndim == 3 or k == "doc_vectors" else v for k, v in batch.items()}
+
+
+def _flat(batch):
+    return {k: v.reshape(-1, v.shape[-1]) if k.startswith("context") else v
+            for k, v in batch.items()}  # fmt: skip
+
+
+def _reader_posterior_logits(cfg, params, batch):
+    """[B, K] `log p(z|x, y)` with equal doc scores: the reader's log-likelihood of each
+    candidate up to a per-question constant, by `rag.doc_posteriors` (another path than the
+    step's)."""
+    flat = _flat(batch)
+    posterior, _ = rag.doc_posteriors(
+        cfg.replace(n_docs=K), params, flat["context_input_ids"], flat["context_attention_mask"],
+        jnp.zeros((B, K)), batch["labels"],
+    )  # fmt: skip
+    return jnp.log(posterior)
+
+
+def _reference_question_grads(cfg, params, batch, loss):
+    """The question encoder's gradient of the objective alone, the reader's side from
+    `rag.doc_posteriors`."""
+    ll = _reader_posterior_logits(cfg, params, batch)  # constant up to a shift per question
+
+    def objective(q_params):
+        p = dict(params, question_encoder=q_params)
+        q = rag.question_embeddings(cfg, p, batch["question_input_ids"],
+                                    batch["question_attention_mask"])  # fmt: skip
+        log_q = jax.nn.log_softmax(rag.doc_scores(q, batch["doc_vectors"]) / TAU_S, axis=-1)
+        if loss == "emdr2":
+            return -jnp.mean(jax.nn.logsumexp(log_q + ll, axis=-1))
+        target = jax.nn.softmax(ll / TAU_G, axis=-1)
+        return jnp.mean(jnp.sum(target * (jnp.log(target) - log_q), axis=-1))
+
+    return jax.grad(objective)(params["question_encoder"])
+
+
+@pytest.mark.parametrize("kind", ["causal", "bart"])
+@pytest.mark.parametrize("loss", ["pdist", "emdr2"])
+def test_each_loss_reaches_only_its_own_half(kind, loss):
+    cfg, params, batch = _setup(kind)
+    objective = RetrieverObjective(loss, K, lm_temperature=TAU_G, score_temperature=TAU_S)
+    frozen = "^passage_encoder/"
+    (_, grads) = _loss_grads(cfg, objective, frozen, batch, params)
+    # The generator's: RAG's marginal over the first N candidates, as the default step has it.
+    default = step.joint_loss_fn(cfg, "sequence", frozen=frozen)
+    want = jax.grad(lambda p: default(p, _first(batch, N), None)[0])(params)
+    jax.tree.map(
+        _close,
+        grads["generator"], want["generator"],
+    )  # fmt: skip
+    # The question encoder's: the objective over all K, the reader a constant.
+    ref = _reference_question_grads(cfg, params, batch, loss)
+    assert max(float(jnp.max(jnp.abs(x))) for x in jax.tree.leaves(ref)) > 1e-4
+    jax.tree.map(
+        _close,
+        grads["question_encoder"], ref,
+    )  # fmt: skip
+
+
+def test_the_memo_path_equals_the_logits_path_for_a_frozen_causal_generator():
+    cfg, params, batch = _setup("causal")
+    objective = RetrieverObjective("loop", K, lm_temperature=TAU_G, score_temperature=TAU_S)
+    frozen = "^(passage_encoder/|generator/)"
+    flat = _flat(batch)
+    labels = jnp.repeat(batch["labels"], K, axis=0)  # -> [B * K, T]
+    lp = memo.pair_logprobs(cfg, params["generator"], flat["context_input_ids"],
+                            flat["context_attention_mask"], labels)  # fmt: skip
+    memo_batch = {k: v for k, v in batch.items() if not k.startswith("context")}
+    memo_batch["answer_logprobs"] = lp.reshape(B, K, T)
+    loss_logits, g_logits = _loss_grads(cfg, objective, frozen, batch, params)
+    loss_memo, g_memo = _loss_grads(cfg, objective, frozen, memo_batch, params)
+    np.testing.assert_allclose(loss_memo, loss_logits, rtol=1e-5)
+    jax.tree.map(
+        _close,
+        g_memo["question_encoder"], g_logits["question_encoder"],
+    )  # fmt: skip
+    assert not any(np.any(x) for x in jax.tree.leaves(g_memo["generator"]))
+
+
+def test_the_default_objective_is_rags_one_loss():
+    """retriever_loss=marginal over N candidates: the step's loss and gradients are those of
+    `rag.loss_fn`, bitwise (the objective adds nothing)."""
+    cfg, params, batch = _setup("causal")
+    batch = _first(batch, N)
+    loss, grads = _loss_grads(cfg, RetrieverObjective(), "^passage_encoder/", batch, params)
+    want_loss, want = jax.jit(
+        jax.value_and_grad(lambda p: rag.loss_fn(cfg, p, _flat(batch), "sequence")[0])
+    )(params)
+    np.testing.assert_array_equal(loss, want_loss)
+    jax.tree.map(np.testing.assert_array_equal, grads["question_encoder"], want["question_encoder"])
