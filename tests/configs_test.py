@@ -12,7 +12,7 @@ import pytest
 from rag_jax.models import bart, bert
 from rag_jax.retrieval.build import build_index
 from rag_jax.retrieval.device_index import DeviceIndex
-from rag_jax.run import data, experiment, settings, validation
+from rag_jax.run import articles, data, experiment, settings, validation
 from rag_jax.training import loop
 from squad_subset import squad_subset
 
@@ -241,25 +241,27 @@ def test_split_by_title_holds_out_whole_articles():
         data.Example(f"q{j}", ("a",), f"id{j}", (f"{t}_{j % 2}",))
         for j, t in enumerate("ABCDEABCDEAB")
     ]
-    train_ex, eval_ex = data.split_by_title(examples, titles, 0.4, seed=3)
+    train_ex, eval_ex = articles.split_by_title(examples, titles, 0.4, seed=3)
     train_titles = {titles[e.gold_ids[0]] for e in train_ex}
     eval_titles = {titles[e.gold_ids[0]] for e in eval_ex}
     assert len(eval_titles) == 2 and len(train_titles) == 3  # round(5 * 0.4) articles held out
     assert sorted(train_ex + eval_ex, key=lambda e: int(e.id[2:])) == examples  # each once
     assert train_ex == [e for e in examples if e in train_ex]  # input order kept
-    again = data.split_by_title(examples, titles, 0.4, seed=3)
+    again = articles.split_by_title(examples, titles, 0.4, seed=3)
     assert again == (train_ex, eval_ex)
     other = {  # another seed holds out other articles (for some seed among a few)
-        frozenset(titles[e.gold_ids[0]] for e in data.split_by_title(examples, titles, 0.4, s)[1])
+        frozenset(
+            titles[e.gold_ids[0]] for e in articles.split_by_title(examples, titles, 0.4, s)[1]
+        )
         for s in range(6)
     }
     assert len(other) > 1
     with pytest.raises(ValueError, match=r"example 'x' has no gold passage id"):
-        data.split_by_title([data.Example("q", ("a",), "x")], titles, 0.5, 0)
+        articles.split_by_title([data.Example("q", ("a",), "x")], titles, 0.5, 0)
     with pytest.raises(ValueError, match=r"gold passage 'Z_0' is not in the corpus"):
-        data.split_by_title([data.Example("q", ("a",), "x", ("Z_0",))], titles, 0.5, 0)
+        articles.split_by_title([data.Example("q", ("a",), "x", ("Z_0",))], titles, 0.5, 0)
     with pytest.raises(ValueError, match=r"eval_fraction must be in \(0, 1\)"):
-        data.split_by_title(examples, titles, 1.0, 0)
+        articles.split_by_title(examples, titles, 1.0, 0)
 
 
 @pytest.mark.slow

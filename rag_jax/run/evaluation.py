@@ -49,10 +49,12 @@ def written_answers(tokenizer, answers):
 
 def answer_sample(count: int, size: int, seed: int) -> np.ndarray | None:
     """The sorted indices of `eval.answer_examples` questions among `size` (a seeded draw), or
-    None when all of them are answered."""
+    None when all of them are answered. The draws of one seed are nested: the sample of n is
+    part of the sample of any larger count (the first of one seeded permutation), so a larger
+    evaluation reuses what a smaller one decoded."""
     if not count or count >= size:
         return None
-    return np.sort(np.random.default_rng(seed).choice(size, count, replace=False))
+    return np.sort(np.random.default_rng(seed).permutation(size)[:count])
 
 
 def evaluate(
@@ -65,6 +67,7 @@ def evaluate(
     ks=(1, 5),
     retriever=None,
     generate: bool = True,
+    per_question: list | None = None,
 ):
     """EM/F1 of generated answers and retrieval recall@k over `examples` (none dropped).
 
@@ -84,6 +87,10 @@ def evaluate(
     `retriever` (default: the experiment's) finds the passages; a run whose index was refreshed
     passes the one serving its current step.
 
+    `per_question`, a list, receives one record per example, in order: its id and its value of
+    every metric it was scored on (`gold_recall@k`, `answer_recall@k`, and `exact_match`, `f1`
+    for the answered ones), what paired comparisons of two runs read (`run.paired`).
+
     Returns:
       (metrics as floats, predictions: one dict per example with the answer and retrieved ids);
       EM/F1 against the gold answers as the generator's tokenizer writes them (module doc).
@@ -93,8 +100,16 @@ def evaluate(
     sample = answer_sample(c.eval.answer_examples, len(examples), c.eval.answer_seed)
     if generate and sample is not None and not isinstance(retriever, ClosedBook):
         common = dict(mesh=mesh, variant=variant, ks=ks, retriever=retriever)
-        recall, _ = evaluate(exp, params, examples, generate=False, **common)
-        answered, predictions = evaluate(exp, params, [examples[i] for i in sample], **common)
+        records = [] if per_question is not None else None
+        recall, _ = evaluate(exp, params, examples, generate=False, per_question=records, **common)
+        qa_records = [] if per_question is not None else None
+        answered, predictions = evaluate(
+            exp, params, [examples[i] for i in sample], per_question=qa_records, **common
+        )
+        if per_question is not None:  # the sample's answers joined to every question's recalls
+            for i, record in zip(sample, qa_records):
+                records[i].update(exact_match=record["exact_match"], f1=record["f1"])
+            per_question += records
         qa = {k: answered[k] for k in ("exact_match", "f1")}
         counts = {"retrieval_examples": len(examples), "answer_examples": len(sample)}
         return dict(recall, **qa, **counts), predictions
@@ -147,20 +162,35 @@ def evaluate(
         else:
             doc_ids = distributed.gather_to_host(doc_ids)
         gold_answers = [e.answers for e in batch_examples]
-        ids = []
+        ids, scored = [], []  # scored: per row, the metric functions' (sum, count) of that row
         if generate:
             answers = exp.generator_tokenizer.batch_decode(tokens, skip_special_tokens=True)
             answers = [a.strip() for a in answers]
             written = written_answers(exp.generator_tokenizer, gold_answers)
             totals = metrics.merge_metrics(totals, metrics.qa_metrics(answers, written, mask))
+            scored.append(lambda r: metrics.qa_metrics([answers[r]], [written[r]]))  # noqa: B023
         if not isinstance(retriever, ClosedBook):  # nothing retrieved: no recall
             texts = [[retriever.store.text(int(j)) for j in row] for row in doc_ids]
             ids = [[retriever.store.ids[int(j)] for j in row] for row in doc_ids]
+            golds = [e.gold_ids for e in batch_examples]
             totals = metrics.merge_metrics(
                 totals,
                 metrics.answer_recall(gold_answers, texts, ks, mask),
-                metrics.gold_recall(ids, [e.gold_ids for e in batch_examples], ks, mask),
+                metrics.gold_recall(ids, golds, ks, mask),
             )
+            scored.append(
+                lambda r: metrics.merge_metrics(
+                    metrics.answer_recall([gold_answers[r]], [texts[r]], ks),  # noqa: B023
+                    metrics.gold_recall([ids[r]], [golds[r]], ks),  # noqa: B023
+                )
+            )
+        if per_question is not None:
+            for r in np.flatnonzero(mask):
+                values = metrics.merge_metrics({}, *(fn(int(r)) for fn in scored))
+                per_question.append(
+                    {"id": batch_examples[r].id}
+                    | {k: total / count for k, (total, count) in values.items() if count}
+                )
         if generate:
             predictions += [
                 _prediction(e, answers[r], ids[r] if ids else [])

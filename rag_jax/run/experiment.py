@@ -16,7 +16,7 @@ Model sources (`config.model.init`):
   unless `passage_encoder_path` is given).
 
 Questions from files (`config.data.source = "files"`): `eval_path` holds the held-out questions;
-when it is empty, whole articles of `train_path` are held out instead (`data.split_by_title`, a
+when it is empty, whole articles of `train_path` are held out instead (`articles.split_by_title`, a
 fraction `eval_fraction` of the gold passages' titles), so no article is in both splits.
 
 Passages: by default `config.data.corpus_path` is stored (`retrieval.build.workdir_store`) and
@@ -45,7 +45,7 @@ from rag_jax.retrieval.corpus import Passage, read_corpus
 from rag_jax.retrieval.device_index import DeviceIndex
 from rag_jax.retrieval.retriever import ClosedBook, Retriever
 from rag_jax.retrieval.store import PassageStore
-from rag_jax.run import data, model_setup, settings, synthetic
+from rag_jax.run import articles, data, model_setup, settings, synthetic
 from rag_jax.training import warm_start
 
 
@@ -169,21 +169,35 @@ def _load_data(config):
         else:  # hold out whole articles of train_path: the titles of their gold passages
             passages = list(passages)  # an iterator; used here and by the store
             titles = {p.id: p.title for p in passages}
-            train, evals = data.split_by_title(train, titles, d.eval_fraction, config.seed)
+            train, evals = articles.split_by_title(train, titles, d.eval_fraction, config.seed)
     else:
         train = data.read_tfds(d.tfds_name, d.train_split, d.tfds_data_dir or None)
         evals = data.read_tfds(d.tfds_name, d.eval_split, d.tfds_data_dir or None)
-    train, evals = _first_or_sample(train, d.max_train, d), _first_or_sample(evals, d.max_eval, d)
+    if d.sample_by == "article":  # whole articles: the titles of the gold passages
+        if passages is None:
+            raise ValueError(
+                "config.data.sample_by='article' reads the articles from the corpus' titles; "
+                "set config.data.corpus_path (a prebuilt index_dir gives none)"
+            )
+        passages = list(passages)
+        titles = {p.id: p.title for p in passages}
+    else:
+        titles = None
+    train = _first_or_sample(train, d.max_train, d, titles)
+    evals = _first_or_sample(evals, d.max_eval, d, titles)
     return train, evals, passages, None
 
 
-def _first_or_sample(examples: list, count: int, d) -> list:
+def _first_or_sample(examples: list, count: int, d, titles=None) -> list:
     """`count` of `examples` (0 = all): the first ones, or a sample drawn with
-    `data.sample_seed` (>= 0), kept in their order."""
+    `data.sample_seed` (>= 0), kept in their order; of whole articles with `titles` (passage id
+    -> title, `data.sample_by='article'`)."""
     if not count or count >= len(examples):
         return examples
     if d.sample_seed < 0:
         return examples[:count]
+    if titles is not None:
+        return articles.sample_articles(examples, titles, count, d.sample_seed)
     chosen = np.random.default_rng(d.sample_seed).choice(len(examples), count, replace=False)
     return [examples[i] for i in np.sort(chosen)]
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from etils import epath
 
-from rag_jax.run import data
+from rag_jax.run import articles, data
 from rag_jax.run.data import Example
 
 
@@ -475,5 +475,28 @@ def test_max_train_and_max_eval_take_the_first_n_or_a_seeded_sample():
     # eval.answer_examples: a seeded sample of the evaluated questions, or all of them.
     picked = evaluation.answer_sample(5, 100, 0)
     assert len(set(picked.tolist())) == 5 and list(picked) == sorted(picked)
+    # Nested: a larger evaluation's sample holds the smaller one's (their decodings are shared).
+    assert set(picked.tolist()) <= set(evaluation.answer_sample(50, 100, 0).tolist())
     assert evaluation.answer_sample(0, 100, 0) is None
     assert evaluation.answer_sample(100, 100, 0) is None
+
+
+def test_a_sample_by_article_takes_whole_articles_nested_in_its_size():
+    titles = {f"{a}_{p}": a for a in "abcdefgh" for p in range(2)}
+    examples = [
+        data.Example(f"q{a}{p}{k}", ("x",), f"{a}{p}{k}", (f"{a}_{p}",))
+        for a in "abcdefgh"
+        for p in range(2)
+        for k in range(3)
+    ]  # 8 articles of 6 questions
+    small = articles.sample_articles(examples, titles, 9, seed=4)
+    large = articles.sample_articles(examples, titles, 20, seed=4)
+    assert len(small) == 9 and len(large) == 20
+    assert {e.id for e in small} <= {e.id for e in large}  # nested: a curve adds questions
+    assert small == sorted(small, key=examples.index)  # file order
+    names = [e.gold_ids[0].split("_")[0] for e in large]
+    counts = sorted(names.count(a) for a in set(names))
+    assert counts == [2, 6, 6, 6]  # three whole articles and the start of a fourth
+    assert articles.sample_articles(examples, titles, 0, seed=4) == examples
+    with pytest.raises(ValueError, match="'qa00' has no gold passage id"):
+        articles.sample_articles([data.Example("q", ("x",), "qa00")] * 2, titles, 1, seed=0)

@@ -67,6 +67,13 @@ def test_summary_line_and_outputs(fifty_steps):
         assert isinstance(summary[key], float) and 0.0 <= summary[key] <= 1.0
     predictions = (workdir / "predictions.jsonl").read_text().splitlines()
     assert len(predictions) == 8  # eval.max_examples, the last partial batch included
+    # Every held-out question's own metrics (what run.paired compares), averaging to the run's.
+    records = [
+        json.loads(line) for line in (workdir / "per_question.jsonl").read_text().splitlines()
+    ]
+    assert [r["id"] for r in records] == [json.loads(p)["id"] for p in predictions]
+    for key in ("exact_match", "f1", "gold_recall@1", "gold_recall@5", "answer_recall@5"):
+        assert np.mean([r[key] for r in records]) == pytest.approx(summary["eval"][key]), key
     evals = {
         r["step"]: r
         for r in map(json.loads, (workdir / "metrics.jsonl").read_text().splitlines())
@@ -355,3 +362,35 @@ def test_tfds_data_path(tmp_path):
     assert any(
         not np.array_equal(before[k], after[k]) for k in before if k.startswith("['generator']")
     )
+
+
+@pytest.fixture(scope="module")
+def warm_cache(tmp_path_factory):
+    """One warm start for the tests that differ only after it."""
+    return str(tmp_path_factory.mktemp("warm_start"))
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"train.retriever_loss": "pdist", "train.retriever_candidates": 8},
+        {"train.retriever_loss": "gold"},
+    ],
+    ids=["pdist_k8", "gold"],
+)
+def test_the_retrievers_own_objective_trains_through_the_loop(tmp_path, overrides, warm_cache):
+    """K = 8 candidates for 5 read (pdist), or the gold passages (gold): the step's retriever
+    loss is logged and the question encoder moves while the passage encoder does not."""
+    config = tiny_config(
+        **{"train.steps": 4, "train.log_every": 2, "warm_start.cache_dir": warm_cache, **overrides}
+    )
+    exp = experiment.build(config, tmp_path)
+    loop.train_and_evaluate(config, tmp_path)
+    logs = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["train/retriever_loss"] for r in logs if "train/retriever_loss" in r]
+    assert len(losses) == 2 and all(np.isfinite(losses)) and losses[0] > 0
+    _, final = _final_params(tmp_path)
+    before, after = _flat(exp.params), _flat(final)
+    moved = {k for k in before if not np.array_equal(before[k], after[k])}
+    assert any(k.startswith("['question_encoder']") for k in moved)
+    assert not any(k.startswith("['passage_encoder']") for k in moved)
