@@ -178,7 +178,8 @@ def run(
 ) -> dict:
     """Trains and evaluates every row of `selected` (see `rows`) into `out/<row>`.
 
-    Rows already in `out/results.json` with the same overrides are kept, not run again, so an
+    Rows already in `out/results.json` with the same overrides (and base config: rows of another
+    are refused, not mixed in) are kept, not run again, so an
     interrupted experiment resumes where it stopped: a row preempted (SIGTERM) saves its training
     and ends the study there (returned with `"preempted": row`), without evaluating it. Writes
     `out/results.json` after every row and `out/curves.png` at the end.
@@ -198,8 +199,15 @@ def run(
     out.mkdir(parents=True, exist_ok=True)
     results = {"config": base.to_dict(), "quick": quick, "rows": {}}
     previous = out / "results.json"
-    if previous.is_file():  # rows run earlier into the same folder are kept
-        results["rows"] = json.loads(previous.read_text()).get("rows", {})
+    if previous.is_file():  # rows run earlier into the same folder, from the same config, are kept
+        earlier = json.loads(previous.read_text())
+        if earlier.get("config") == json.loads(json.dumps(results["config"])):  # as JSON keeps it
+            results["rows"] = earlier.get("rows", {})
+        else:
+            raise ValueError(
+                f"{previous} holds rows of another base config (another --config, --variant or "
+                "seed, or a changed default); use another --out, or delete it to run them again"
+            )
     start = time.perf_counter()
     for name, overrides in selected.items():
         if name in results["rows"] and results["rows"][name]["overrides"] == overrides:

@@ -29,10 +29,13 @@ every dev question, learning curves, seconds, hot swap), `<out>/seed<k>/curves.p
 """
 
 import argparse
+import gzip
 import importlib.util
 import json
 import os
 import pathlib
+import shutil
+import time
 
 import numpy as np
 
@@ -41,8 +44,9 @@ from rag_jax.devices import distributed, host
 from rag_jax.retrieval import files
 from rag_jax.retrieval.build import workdir_store
 from rag_jax.retrieval.index import ExactIndex
-from rag_jax.run import evaluation, settings
+from rag_jax.run import evaluation, experiment, paired, settings
 from rag_jax.training import loop, salient
+from rag_jax.training.batcher import Batcher
 
 
 def _load_config(name: str):
@@ -55,13 +59,31 @@ def _load_config(name: str):
     return module
 
 
-CONFIGS = {name: _load_config(name) for name in ("squad_open", "squad_llama")}
+CONFIGS = {name: _load_config(name) for name in ("squad_open", "squad_llama", "squad_objectives")}
 squad_open = CONFIGS["squad_open"]
+
+K = 16  # the retriever objectives' candidates per question (the reader reads rag.n_docs)
+PDIST = {"train.retriever_loss": "pdist", "train.retriever_candidates": K}
 
 ROWS = {
     "closed_book": {"rag.closed_book": True, "rag.n_docs": 1},
     "frozen": {"train.retriever_lr_factor": 0.0},
     "joint": {},
+    # What the retriever learns from the reader (rag_jax.retriever_losses), over K candidates.
+    "marginal_k16": {"train.retriever_candidates": K},
+    "pdist_k16": PDIST,
+    "emdr2_k16": {"train.retriever_loss": "emdr2", "train.retriever_candidates": K},
+    "loop_k16": {"train.retriever_loss": "loop", "train.retriever_candidates": K},
+    # The passage side: the passage tower trains too, the index re-encoded every 100 steps.
+    "pdist_k16_passages": {**PDIST, "train.freeze": "^generator/", "retrieval.refresh_every": 100},
+    # Controls. The ceiling: the question tower trained on the gold paragraphs (DPR's loss, in-
+    # batch and hard negatives). No feedback: pdist with the reader's likelihoods shuffled among
+    # each question's candidates.
+    "gold": {"train.retriever_loss": "gold", "train.retriever_candidates": K},
+    "pdist_k16_shuffled": {**PDIST, "train.retriever_shuffle_reader": True},
+    # The curve over training-set sizes (the article sample is nested in its size).
+    "pdist_k16_n600": {**PDIST, "data.max_train": 600},
+    "pdist_k16_n1500": {**PDIST, "data.max_train": 1500},
     # RAG-Token's answers depend on every passage's doc score at every token: not memoised.
     "joint_token": {"rag.variant": "token", "eval.answer_memo": False},
     # Row 2 decoded as row 4 is: what joint training adds to RAG-Token, decoding held equal.
@@ -71,7 +93,15 @@ ROWS = {
         "train.retriever_lr_factor": 0.0,
     },
 }
-COLUMNS = ("answer_recall@1", "answer_recall@5", "gold_recall@5", "exact_match", "f1")
+COLUMNS = (
+    "answer_recall@1",
+    "answer_recall@5",
+    "gold_recall@1",
+    "gold_recall@5",
+    "exact_match",
+    "f1",
+)
+BASELINE = "frozen"  # every row's paired differences are against it, seed by seed
 
 
 def hot_swap(workdir: pathlib.Path, count: int, seed: int) -> dict:
@@ -109,6 +139,33 @@ def hot_swap(workdir: pathlib.Path, count: int, seed: int) -> dict:
     }
 
 
+def fill_memo(base, out: pathlib.Path) -> dict:
+    """Computes, ahead of the rows, the frozen reader's answer likelihoods of every training
+    question's K candidates under the initial question encoder (what the K-candidate rows read
+    at their first steps, and the frozen row throughout), grouped by shared passage
+    (`AnswerMemo.fill`). Resumable: a killed fill keeps what it saved; a second run computes
+    only what is missing. Returns (and writes to `out/memo_fill.json`) the counts and time."""
+    config = feedback_study.row_config(base, PDIST, str(out / "cache"))
+    start = time.perf_counter()
+    exp = experiment.build(config, out / "memo_fill")
+    batcher = Batcher(exp, loop.device_mesh(config))
+    prompts, answers = batcher.memo_pairs(exp.params, exp.train, exp.retriever)
+    prepared = time.perf_counter() - start
+    computed = batcher.memo.fill(exp.params["generator"], prompts, answers)
+    record = {
+        "questions": len(exp.train),
+        "candidates": K,
+        "pairs": len(prompts),
+        "distinct_prompts": len({p.tobytes() for p in prompts}),
+        "computed": computed,
+        "setup_seconds": round(prepared, 1),
+        "fill_seconds": round(time.perf_counter() - start - prepared, 1),
+        "memo": str(batcher.memo.path),
+    }
+    files.write_atomic(out / "memo_fill.json", json.dumps(record, indent=1).encode())
+    return record
+
+
 def summary(out: pathlib.Path, seeds: list[int]) -> dict:
     """Per row and column: the values of every seed, their mean and standard deviation."""
     table = {}
@@ -127,10 +184,55 @@ def summary(out: pathlib.Path, seeds: list[int]) -> dict:
             if k in entry:
                 v = entry[k]
                 entry[k] = {"seeds": v, "mean": float(np.mean(v)), "std": float(np.std(v))}
+    for name, by_seed in intervals(out, seeds, list(table)).items():
+        table[name]["versus_" + BASELINE] = by_seed
     return table
 
 
+def intervals(out: pathlib.Path, seeds: list[int], names: list[str]) -> dict:
+    """Row -> seed -> column -> the paired difference from `BASELINE` of the same seed on the
+    same questions, with its bootstrap 95% interval (`run.paired`), from the rows'
+    `per_question.jsonl`; a column only one side has (the closed book's recalls) is left out."""
+    out_rows = {}
+    for seed in seeds:
+        base_path = out / f"seed{seed}" / BASELINE / "per_question.jsonl"
+        if not base_path.is_file():
+            continue
+        base = paired.read_per_question(base_path)
+        for name in names:
+            path = out / f"seed{seed}" / name / "per_question.jsonl"
+            if name == BASELINE or not path.is_file():
+                continue
+            row = paired.read_per_question(path)
+            has = lambda records, k: any(k in r for r in records.values())  # noqa: E731
+            out_rows.setdefault(name, {})[f"seed{seed}"] = {
+                k: paired.paired_difference(base, row, k, seed=seed)
+                for k in COLUMNS
+                if has(base, k) and has(row, k)
+            }
+    return out_rows
+
+
+def keep_per_question(out: pathlib.Path, seeds: list[int], folder: pathlib.Path) -> list:
+    """Copies every row's `per_question.jsonl` (gzipped) to `folder/seed<k>/<row>.jsonl.gz`, with
+    each seed's results.json: what the repository keeps beside the README's rows (the intervals
+    are recomputed from them with `run.paired`)."""
+    written = []
+    for seed in seeds:
+        for path in sorted((out / f"seed{seed}").glob("*/per_question.jsonl")):
+            target = folder / f"seed{seed}" / f"{path.parent.name}.jsonl.gz"
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(gzip.compress(path.read_bytes(), mtime=0))
+            written.append(target)
+        results = out / f"seed{seed}" / "results.json"
+        if results.is_file():
+            shutil.copyfile(results, folder / f"seed{seed}" / "results.json")
+    return written
+
+
 def markdown(table: dict) -> str:
+    """The rows' means ± spreads over seeds, then each row's paired differences from
+    `BASELINE` per seed with their 95% intervals."""
     lines = ["| row | " + " | ".join(COLUMNS) + " | minutes / run | hot swap EM new / old |"]
     lines.append("|---" * (len(COLUMNS) + 3) + "|")
     for name, entry in table.items():
@@ -146,6 +248,18 @@ def markdown(table: dict) -> str:
             swap = f"{new:.3f} / {old:.3f}"
         minutes = np.mean(entry["seconds"]) / 60
         lines.append(f"| {name} | " + " | ".join(cells) + f" | {minutes:.1f} | {swap} |")
+    lines += ["", f"Paired differences from {BASELINE} (95% bootstrap intervals):", ""]
+    lines.append("| row | seed | " + " | ".join(COLUMNS) + " |")
+    lines.append("|---" * (len(COLUMNS) + 2) + "|")
+    for name, entry in table.items():
+        for seed, diffs in entry.get("versus_" + BASELINE, {}).items():
+            cells = [
+                f"{d['difference']:+.3f} [{d['low']:+.3f}, {d['high']:+.3f}]"
+                if (d := diffs.get(k))
+                else "-"
+                for k in COLUMNS
+            ]
+            lines.append(f"| {name} | {seed} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -178,6 +292,14 @@ def main(argv=None):
     parser.add_argument(
         "--set", action="append", default=[], help="extra override key=value (JSON value)"
     )
+    parser.add_argument(
+        "--keep", default="", help="also copy results.json and the per-question records here"
+    )
+    parser.add_argument(
+        "--fill_memo",
+        action="store_true",
+        help="first compute the answer memo of the training questions' candidates (resumable)",
+    )
     args = parser.parse_args(argv)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     unknown = set(args.rows.split(",")) - set(ROWS)
@@ -189,6 +311,10 @@ def main(argv=None):
         parser.error(str(e))
     out = pathlib.Path(args.out).absolute()
     seeds = [int(s) for s in args.seeds.split(",")]
+    if args.fill_memo:  # the seeds share the initial model (init_seed): one fill serves them
+        base = settings.override(CONFIGS[args.config].get_config(args.variant), {"seed": seeds[0]})
+        base.retrieval.cache_dir = str(out / "index_cache")
+        print(json.dumps({"memo_fill": fill_memo(base, out)}), flush=True)
     for seed in seeds:
         config = CONFIGS[args.config].get_config(args.variant)
         base = settings.override(config, {"seed": seed})
@@ -205,6 +331,10 @@ def main(argv=None):
             return
     table = summary(out, seeds)
     files.write_atomic(out / "summary.json", json.dumps(table, indent=1).encode())
+    if args.keep:
+        kept = keep_per_question(out, seeds, pathlib.Path(args.keep))
+        shutil.copyfile(out / "summary.json", pathlib.Path(args.keep) / "summary.json")
+        print(f"kept {len(kept)} per-question files and the summary in {args.keep}")
     print("\n" + markdown(table))
     print(f"\nwrote {out / 'summary.json'} and {out}/seed*/curves.png")
 

@@ -6,14 +6,16 @@ MiniLM question tower trains, through the doc scores, at the config's rate (2e-5
 import dataclasses
 import json
 import pathlib
+import types
 
 import jax
+import numpy as np
 import pytest
 
 import squad_study
 from rag_jax import rag_math
 from rag_jax.io import hf_llama
-from rag_jax.run import evaluation, experiment, settings
+from rag_jax.run import evaluation, experiment, paired, settings, validation
 from rag_jax.training import loop
 from squad_subset import squad_subset
 
@@ -153,3 +155,83 @@ def test_rows_carry_their_set_overrides():
         squad_study.selected_rows(["joint"], ["train.steps"])
     with pytest.raises(ValueError, match="not JSON"):
         squad_study.selected_rows(["joint"], ["rag.prompt=chat"])
+
+
+def test_every_row_is_a_valid_config_differing_only_in_its_overrides():
+    base = squad_study.CONFIGS["squad_objectives"].get_config()
+    for name, overrides in squad_study.ROWS.items():
+        config = settings.override(squad_study.CONFIGS["squad_objectives"].get_config(), overrides)
+        validation.validate(config, 1, paths=False)
+        settings_keys = set(overrides)
+        changed = {
+            f"{section}.{k}"
+            for section, values in config.to_dict().items()
+            if isinstance(values, dict)
+            for k, v in values.items()
+            if base.to_dict()[section].get(k) != v
+        }
+        assert changed <= settings_keys, (name, changed - settings_keys)
+
+
+def test_the_summary_pairs_each_row_with_the_frozen_row_of_its_seed(tmp_path):
+    """Per-question records of two seeds' rows -> paired intervals against the frozen row of
+    the same seed, the table that shows them, and the kept (gzipped) records they came from."""
+    rng = np.random.default_rng(0)
+    base = rng.random(400) < 0.6
+    for seed in (0, 1):
+        rows = {"frozen": base, "pdist_k16": base | (rng.random(400) < 0.2)}
+        results = {"rows": {}}
+        for name, hits in rows.items():
+            folder = tmp_path / f"seed{seed}" / name
+            folder.mkdir(parents=True)
+            lines = [
+                json.dumps({"id": f"q{i}", "gold_recall@5": float(h), "exact_match": float(h)})
+                for i, h in enumerate(hits)
+            ]
+            (folder / "per_question.jsonl").write_text("\n".join(lines) + "\n")
+            final = {"gold_recall@5": float(hits.mean()), "exact_match": float(hits.mean())}
+            results["rows"][name] = {"final": final, "seconds": 60.0}
+        (tmp_path / f"seed{seed}" / "results.json").write_text(json.dumps(results))
+    table = squad_study.summary(tmp_path, [0, 1])
+    diffs = table["pdist_k16"]["versus_frozen"]
+    assert set(diffs) == {"seed0", "seed1"} and "versus_frozen" not in table["frozen"]
+    for seed in (0, 1):
+        d = diffs[f"seed{seed}"]["gold_recall@5"]
+        assert d["low"] > 0 and d["a"] == pytest.approx(base.mean()) and d["questions"] == 400
+    assert "| pdist_k16 | seed1 | " in squad_study.markdown(table)
+    kept = squad_study.keep_per_question(tmp_path, [0, 1], tmp_path / "kept")
+    assert len(kept) == 4
+    again = paired.read_per_question(tmp_path / "kept" / "seed1" / "pdist_k16.jsonl.gz")
+    assert again == paired.read_per_question(
+        tmp_path / "seed1" / "pdist_k16" / "per_question.jsonl"
+    )
+
+
+@pytest.mark.slow  # MiniLM encodes an article, SmolLM2 scores 12 pairs twice: ~1-2 min
+def test_a_memo_filled_ahead_holds_every_pair_the_first_batch_asks_for(shared_data, tmp_path):
+    """`Batcher.memo_pairs` + `AnswerMemo.fill` (the study's --fill_memo) compute what
+    `train_batch` then reads, for K candidates beyond the N the reader reads: the first batch
+    computes nothing, and its log-probabilities are those the memo was filled with."""
+    questions, passages, _ = squad_subset(shared_data, tmp_path, articles=1, per_passage=1)
+    config = settings.override(
+        _config(questions, passages),
+        {
+            "warm_start.cache_dir": str(tmp_path / "cache"),
+            "train.batch_size": 2,
+            "train.retriever_loss": "pdist",
+            "train.retriever_candidates": 6,
+            "rag.n_docs": 2,
+        },
+    )
+    exp = experiment.build(config, tmp_path / "run")
+    batcher = squad_study.Batcher(exp, loop.device_mesh(config))
+    _, first = batcher._examples(0)
+    prompts, answers = batcher.memo_pairs(exp.params, first, exp.retriever)
+    assert len(prompts) == 2 * 6
+    assert batcher.memo.fill(exp.params["generator"], prompts, answers, progress=None) == 12
+    state = types.SimpleNamespace(params=exp.params, next_doc_ids=None)
+    before = batcher.memo.computed
+    arrays = batcher.train_batch(state, 0, exp.retriever).arrays
+    assert batcher.memo.computed == before  # every pair was there
+    assert arrays["answer_logprobs"].shape[:2] == (2, 6) and arrays["doc_vectors"].shape[1] == 6
+    assert np.all(np.isfinite(arrays["answer_logprobs"]))
