@@ -7,6 +7,7 @@ import feedback_loop
 import pytest
 
 import feedback_study
+from rag_jax.run import paired, settings
 from rag_jax.training import loop
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -67,27 +68,49 @@ def test_unknown_row_is_refused(tmp_path):
         feedback_loop.main(["--out", str(tmp_path), "--quick", "--rows", "joint_sequnce"])
 
 
-def test_joint_training_beats_the_frozen_retriever(tmp_path):
-    """Rows 2 and 3 of `--quick` (200 entities, 80 steps): the question encoder trained through the
-    answer likelihood alone, no gold ids, lifts held-out gold recall@5 over the frozen retriever.
+SEEDS = (0, 1, 2)
 
-    The full experiment measures +33 points at 500 steps; here +10 is required of a measured +24
-    (0.355 -> 0.595 on 200 held-out questions; +16 with one device's rounding instead of eight's).
-    The 60-entity world this test used before gained 5-8 points, and one machine's rounding moved
-    it under +10. Kept in the default run (~90 s on 2 cores, over the usual 20 s for a regular
-    test) because the feedback loop is the property the project exists for.
+
+def test_joint_training_beats_the_frozen_retriever(tmp_path):
+    """Rows 2 and 3 of `--quick` (200 entities, 80 steps) at three seeds: the question encoder
+    trained through the answer likelihood alone, no gold ids, lifts held-out gold recall@5 over
+    the frozen retriever, pooled over the seeds' 600 held-out questions with a paired bootstrap
+    interval that excludes 0.
+
+    One seed is not a claim a machine can keep: its gain moves with the CPU's floating-point
+    kernels, which the warm starts and 80 steps amplify (seed 0 measured +0.25 here and +0.045
+    on another Xeon). Measured on one machine (2026-12-04, 8 fake devices): seeds 0, 1, 2 gain
+    +0.25, +0.065 and +0.01 (0.44 -> 0.69, 0.425 -> 0.49, 0.425 -> 0.435), pooled +0.108, EM
+    +0.088; at 500 steps on the full world (`feedback_loop.py`), +0.33 to +0.59 on seeds 0-4.
+    Required: a pooled gain of at least 3 points whose 95% interval excludes 0, and a pooled
+    EM gain. Kept in the default run (~4-5 min on 2 cores) because the feedback loop is the
+    property the project exists for.
     """
-    base = feedback_loop.feedback_config.get_config(quick=True)
-    recall, em = {}, {}
-    for name, overrides in feedback_study.rows(quick=True, refresh_every=0).items():
-        if name == "closed_book":
-            continue
-        config = feedback_study.row_config(base, overrides, str(tmp_path / "cache"))
-        summary = loop.train_and_evaluate(config, tmp_path / name)
-        recall[name], em[name] = summary["recall_at_5_after"], summary["em_after"]
-        assert summary["recall_at_5_before"] == recall.get("frozen_sequence", recall[name])
-    assert recall["joint_sequence"] >= recall["frozen_sequence"] + 0.10, recall
-    assert em["joint_sequence"] > em["frozen_sequence"], em
+    records = {"frozen_sequence": {}, "joint_sequence": {}}
+    before = {}
+    for seed in SEEDS:
+        base = settings.override(
+            feedback_loop.feedback_config.get_config(quick=True), {"seed": seed}
+        )
+        for name, overrides in feedback_study.rows(quick=True, refresh_every=0).items():
+            if name == "closed_book":
+                continue
+            config = feedback_study.row_config(base, overrides, str(tmp_path / f"cache{seed}"))
+            workdir = tmp_path / f"seed{seed}" / name
+            summary = loop.train_and_evaluate(config, workdir)
+            # Both rows start from the same warm-started retriever.
+            assert before.setdefault(seed, summary["recall_at_5_before"]) == before[seed], seed
+            for key, record in paired.read_per_question(workdir / "per_question.jsonl").items():
+                records[name][f"{seed}/{key}"] = record
+    recall = paired.paired_difference(
+        records["frozen_sequence"], records["joint_sequence"], "gold_recall@5"
+    )
+    em = paired.paired_difference(
+        records["frozen_sequence"], records["joint_sequence"], "exact_match"
+    )
+    assert recall["questions"] == 200 * len(SEEDS)
+    assert recall["difference"] >= 0.03 and recall["low"] > 0, paired.describe(recall)
+    assert em["difference"] > 0, paired.describe(em)
 
 
 @pytest.mark.slow  # the full experiment: ~10 min on 2 cores
