@@ -285,10 +285,35 @@ def test_fast_decoding_scores_candidates_from_their_beams(model):
         cfg, params, ids, mask, scores, variant="sequence", sequence_decoding="fast", **GEN
     )
     candidates = _hf_candidates(torch_model, ids, mask, cfg, **GEN)
-    # Every answer is one of its question's per-passage beams.
+    # The answer is the best of its question's per-passage beams by the paper's fast score,
+    # `log sum_z p(z|x) p(y|x, z)` with p(y|x, z) from HF's forward pass where y is one of doc
+    # z's beams and 0 where it is not.
+    prior = np.asarray(jax.nn.log_softmax(jnp.asarray(scores), axis=-1))
     for b in range(B):
-        pool = candidates[b * N : (b + 1) * N].reshape(-1, GEN["max_length"])
-        assert any(np.array_equal(np.asarray(got[b]), c) for c in pool)
+        found: dict[tuple, dict[int, float]] = {}
+        for z in range(N):
+            row = b * N + z
+            for c in candidates[row]:
+                found.setdefault(tuple(c), {})[z] = _hf_loglik(
+                    torch_model, ids[row][mask[row] == 1], c
+                )
+        fast = {c: np.logaddexp.reduce([prior[b, z] + ll for z, ll in lls.items()])
+                for c, lls in found.items()}  # fmt: skip
+        ranked = sorted(fast, key=fast.get, reverse=True)
+        assert fast[ranked[0]] - fast[ranked[1]] > 1e-4  # a clear best: the test can tell
+        np.testing.assert_array_equal(np.asarray(got[b]), np.array(ranked[0]))
+
+
+def _hf_loglik(torch_model, prompt, answer) -> float:
+    """log p(answer | prompt) by HF's forward pass: the answer's tokens up to its first EOS."""
+    answer = np.asarray(answer)
+    ends = np.flatnonzero(answer == EOS)
+    answer = answer[: ends[0] + 1] if len(ends) else answer
+    seq = torch.tensor(np.concatenate([prompt, answer]).astype(np.int64)[None])
+    with torch.no_grad():
+        logp = torch.log_softmax(torch_model(input_ids=seq).logits[0].double(), -1).numpy()
+    start = len(prompt) - 1  # the logits at position t predict token t + 1
+    return float(sum(logp[start + t, tok] for t, tok in enumerate(answer)))
 
 
 def test_generate_is_cached_and_refuses_ngram_blocking(model):
