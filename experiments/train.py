@@ -9,13 +9,13 @@ Resumes from the checkpoints in --workdir. The last line printed is one JSON obj
 """
 
 import json
+import sys
 
 from absl import app, flags, logging
 from ml_collections import config_flags
 
 from rag_jax.devices import host
 from rag_jax.run import settings
-from rag_jax.training import loop
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "experiment config file", lock_config=True
@@ -26,12 +26,18 @@ flags.mark_flags_as_required(["config", "workdir"])
 
 def main(argv):
     del argv
+    # Imported here, not above: JAX and the models take 20-60 s to import on a cold machine, and
+    # a mistyped setting or --help should answer before that (see below).
+    from rag_jax.training import loop
+
     logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
     summary = loop.train_and_evaluate(_CONFIG.value, _WORKDIR.value)
     print(json.dumps({k: v for k, v in summary.items() if k != "eval"}, sort_keys=True), flush=True)
 
 
 if __name__ == "__main__":
+    settings.check_overrides()  # a mistyped --config.x: one line, at once, not three tracebacks
     host.restart_with_host_settings()  # read only at process start: before any work
-    settings.check_overrides()  # a mistyped --config.x: one line, not three tracebacks
+    if {"--help", "-h", "--helpfull"} & set(sys.argv[1:]):
+        print(settings.listing() + "\n")  # then absl's flags
     app.run(main)

@@ -748,6 +748,8 @@ def test_a_mistyped_command_line_override_fails_naming_it(tmp_path):
     result = subprocess.run(
         [
             sys.executable,
+            "-X",
+            "importtime",  # which modules it imported before refusing: not JAX (20-60 s cold)
             str(ROOT / "experiments" / "train.py"),
             f"--config={ROOT / 'experiments' / 'configs' / 'default.py'}",
             f"--workdir={tmp_path}",
@@ -759,12 +761,20 @@ def test_a_mistyped_command_line_override_fails_naming_it(tmp_path):
         env={**os.environ, "JAX_PLATFORMS": "cpu"},
     )
     assert result.returncode == 2
+    imported = [line.rsplit("|", 1)[-1].strip() for line in result.stderr.splitlines()
+                if line.startswith("import time:")]  # fmt: skip
+    assert imported and not [m for m in imported if m.split(".")[0] in ("jax", "flax", "torch")]
     # One line naming the key and the closest settings, not a chain of tracebacks.
-    assert result.stderr.splitlines() == [
+    assert [line for line in result.stderr.splitlines() if not line.startswith("import time:")] == [
         "error: config.train.save_evry is not a setting rag_jax reads; did you mean "
         "config.train.save_every?"
     ]
     assert not (tmp_path / "checkpoints").exists()  # refused before anything ran
+    listing = subprocess.run(
+        [sys.executable, str(ROOT / "experiments" / "train.py"), "--help"],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )  # fmt: skip
+    assert "--config.train.retriever_loss='marginal'" in listing.stdout
 
 
 # ---------------------------------------------------------------------------------------------

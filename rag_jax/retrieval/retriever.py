@@ -42,6 +42,7 @@ from rag_jax.retrieval.index_format import read_manifest
 from rag_jax.retrieval.scann_index import ScannIndex
 from rag_jax.retrieval.store import PassageStore, tokenizer_fingerprint
 from rag_jax.run import checkpoints
+from rag_jax.run.progress import Eta
 
 
 @dataclasses.dataclass
@@ -396,7 +397,9 @@ def encode_store(store: PassageStore, encoder: PassageEncoder, partial=None) -> 
     first = sum(len(p) for p in parts)
     if first:
         print(f"corpus encoding: resuming at passage {first} of {count} from {partial}", flush=True)
+    eta = Eta("corpus encoding", count, "passages", start=first)
     for start in range(first, count, ENCODE_WINDOW):
+        eta.update(start)
         if checkpoints.should_stop():
             if partial is None:
                 kept = "are not kept; the next run encodes them again"
@@ -422,6 +425,7 @@ def encode_store(store: PassageStore, encoder: PassageEncoder, partial=None) -> 
                 mesh=sharding.data_mesh(jax.local_devices()),
             )
         )
+    eta.update(count)
     if partial is not None and jax.process_index() == 0:
         pathlib.Path(partial).unlink(missing_ok=True)
     return parts[0] if len(parts) == 1 else np.concatenate(parts)

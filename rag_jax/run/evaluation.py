@@ -23,6 +23,7 @@ from rag_jax import rag, rag_math
 from rag_jax.devices import distributed, sharding
 from rag_jax.retrieval.retriever import ClosedBook
 from rag_jax.run import data, experiment, memo_decoding, metrics
+from rag_jax.run.progress import Eta
 from rag_jax.training import memo
 from rag_jax.training.batcher import Batcher, memo_directory
 from rag_jax.training.inputs import context_width
@@ -130,7 +131,10 @@ def evaluate(
     memos = _memos(exp, rag_cfg, variant, params) if generate and c.eval.answer_memo else None
     ks = [k for k in ks if not generate or k <= rag_cfg.n_docs]
     totals, predictions = {}, []
+    what = "answering" if generate else "retrieving for"
+    eta = Eta(f"evaluation: {what}", len(examples), "questions")
     for idx, mask in data.eval_batches(len(examples), batch_size):
+        eta.update(int(idx[0]))
         batch_examples = [examples[i] for i in idx]
         fields, pieces = batcher.questions(batch_examples[mine])
         hits = batcher.retrieve(params, fields, pieces, retriever)
@@ -199,6 +203,8 @@ def evaluate(
             ]
     if memos is not None:
         memos[0].save()
+    if eta.printed != eta.began:  # it printed along the way: say it ended
+        eta.update(len(examples))
     return metrics.reduce_metrics(totals), predictions
 
 

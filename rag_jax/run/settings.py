@@ -475,6 +475,17 @@ def unknown_key_message(key: str) -> str:
     return f"config.{key} is not a setting rag_jax reads; {hint}".rstrip("; ")
 
 
+def listing() -> str:
+    """Every setting as `--config.<key>=<default>` and what it does, one per line, by section
+    (what `experiments/train.py --help` prints before the flags)."""
+    lines = ["Settings (override any as --config.<key>=<value>; rag_jax/run/settings.py):"]
+    for section, entries in SCHEMA.items():
+        for key, (default, what) in entries.items():
+            name = f"{section}.{key}" if section else key
+            lines.append(f"  --config.{name}={default!r}\n      {what}")
+    return "\n".join(lines)
+
+
 def check_overrides(argv: list[str] | None = None) -> None:
     """Exits with one line (status 2) when a `--config.<key>=...` flag names no setting.
 

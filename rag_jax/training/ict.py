@@ -54,6 +54,7 @@ import optax
 from rag_jax.models import bert
 from rag_jax.retrieval import encode
 from rag_jax.run import checkpoints
+from rag_jax.run.progress import Eta
 from rag_jax.training.optim import make_optimizer, warm_start_settings
 from rag_jax.training.step import init_state, make_step
 
@@ -366,6 +367,7 @@ def ict_warm_start(
 
     log, window = [], []
     queued = None  # the previous step's loss, while the device may still run it
+    eta = Eta("ICT warm start", steps, "steps", start=int(state.step))
     for step in range(int(state.step), steps):
         if progress is not None:
             progress.stop_if_requested(state, step, steps)
@@ -388,4 +390,5 @@ def ict_warm_start(
             accuracy = float(np.mean([m["in_batch_accuracy"] for m in values]))
             log.append({"step": step + 1, "loss": loss, "in_batch_accuracy": accuracy})
             window = []
+            eta.update(step + 1, f"loss {loss:.3f}, in-batch accuracy {accuracy:.2f}")
     return state.params["question"], state.params["passage"], log

@@ -18,6 +18,7 @@ import numpy as np
 
 from rag_jax import rag
 from rag_jax.run import checkpoints
+from rag_jax.run.progress import Eta
 from rag_jax.training.inputs import answer_labels, context_width
 from rag_jax.training.optim import make_optimizer, warm_start_settings
 from rag_jax.training.step import init_state, make_step
@@ -210,6 +211,7 @@ def reader_warm_start(
     log, window, every = [], [], max(1, steps // 10)
     queued = None  # the previous step's loss, while the device may still run it
     start, tokens = time.perf_counter(), 0
+    eta = Eta("reader warm start", steps, "steps", start=int(state.step))
     for step in range(int(state.step), steps):
         if progress is not None:
             progress.stop_if_requested(state, step, steps)
@@ -243,9 +245,8 @@ def reader_warm_start(
                 raise FloatingPointError(f"non-finite reader warm-start loss at step {step + 1}")
             seconds = round(time.perf_counter() - start, 2)  # this process's, since it (re)started
             log.append({"step": step + 1, "loss": value, "seconds": seconds, "tokens": tokens})
-            print(
-                f"reader warm start: step {step + 1} of {steps}, loss {value:.3f}, {seconds:.0f} s",
-                flush=True,
-            )
             window = []
+            eta.update(step + 1, f"loss {value:.3f}", force=True)
+        else:
+            eta.update(step + 1)
     return state.params, log

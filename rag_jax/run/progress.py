@@ -1,0 +1,61 @@
+"""Progress lines with a rate and a time left, for every phase that runs longer than a few seconds.
+
+A user who starts a run should never watch minutes pass in silence: the warm starts, the corpus
+encoding and the evaluations each print a line every `EVERY_S` seconds (and when they end) that
+says how far they are, how fast they go and when they will be done. `Eta` imports nothing of the
+package, so every layer may use it; only process 0 prints.
+"""
+
+import time
+
+import jax
+
+EVERY_S = 30.0  # seconds between two lines of one phase
+
+
+def duration(seconds: float) -> str:
+    """`seconds` as people read it: "42 s", "3 min 05 s", "2 h 07 min"."""
+    seconds = max(0, int(round(seconds)))
+    if seconds < 60:
+        return f"{seconds} s"
+    minutes, seconds = divmod(seconds, 60)
+    if minutes < 60:
+        return f"{minutes} min {seconds:02d} s"
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours} h {minutes:02d} min"
+
+
+class Eta:
+    """Prints `label: done of total unit (rate/s), time left` at most every `every_s` seconds.
+
+    The rate is measured from the first `update` (work resumed from a saved state, `start`, is
+    not counted as done in this process's time), so a phase that resumes halfway reports the
+    time left of what remains.
+    """
+
+    def __init__(self, label: str, total: int, unit: str = "", start: int = 0, every_s=EVERY_S):
+        self.label, self.total, self.unit, self.every_s = label, int(total), unit, every_s
+        self.start, self.done = int(start), int(start)
+        self.began = self.printed = time.monotonic()
+
+    def line(self, done: int, extra: str = "") -> str:
+        """The line for `done` of `total` (`extra` appended, e.g. a loss)."""
+        elapsed = time.monotonic() - self.began
+        rate = (done - self.start) / elapsed if elapsed > 0 else 0.0
+        left = (self.total - done) / rate if rate > 0 else float("nan")
+        unit = f" {self.unit}" if self.unit else ""
+        when = "done" if done >= self.total else (
+            f"{duration(left)} left" if left == left else "time left not known yet"
+        )  # fmt: skip
+        text = f"{self.label}: {done} of {self.total}{unit} ({rate:.3g}/s), {when}"
+        return f"{text}, {extra}" if extra else text
+
+    def update(self, done: int, extra: str = "", *, force: bool = False) -> None:
+        """Records `done`; prints a line when `every_s` has passed, the phase ended, or `force`."""
+        self.done = int(done)
+        now = time.monotonic()
+        if not (force or self.done >= self.total or now - self.printed >= self.every_s):
+            return
+        self.printed = now
+        if jax.process_index() == 0:
+            print(self.line(self.done, extra), flush=True)
