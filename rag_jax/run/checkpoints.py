@@ -55,6 +55,7 @@ The training loop looks like::
 import contextlib
 import errno
 import json
+import logging as std_logging
 import signal
 import threading
 import time
@@ -72,6 +73,18 @@ from etils import epath
 from jax.experimental import multihost_utils
 
 from rag_jax.retrieval import files
+
+
+class _ReadOnlyNotice(std_logging.Filter):
+    """Drops orbax's "Given directory is read only" warning: it is logged whenever a manager is
+    opened for reading, which every restore and evaluation here does on a writable workdir by
+    design (`Checkpointer(read_only=True)`); a user took it for a fault."""
+
+    def filter(self, record: std_logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("Given directory is read only")
+
+
+logging.get_absl_logger().addFilter(_ReadOnlyNotice())
 
 CHECKPOINT_SUBDIR = "checkpoints"
 _STATE = "state"

@@ -79,6 +79,25 @@ def test_flax_train_state_round_trip_in_relative_workdir(tmp_path, monkeypatch):
     assert (tmp_path / "run" / "checkpoints" / "1").is_dir()
 
 
+def test_reading_a_writable_workdir_warns_of_nothing(tmp_path):
+    """orbax logs "Given directory is read only" whenever a manager opens for reading; every
+    restore here does so on a writable workdir, so the warning is dropped."""
+    state = _train_state()
+    with checkpoints.Checkpointer(tmp_path, async_save=False) as ckpt:
+        ckpt.save(1, state, ml_collections.ConfigDict({"lr": 1e-3}))
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    absl = logging.getLogger("absl")
+    absl.addHandler(handler)
+    try:
+        with checkpoints.Checkpointer(tmp_path, read_only=True) as ckpt:
+            assert ckpt.all_steps() == [1]
+    finally:
+        absl.removeHandler(handler)
+    assert not [r for r in records if "read only" in r.getMessage()], records
+
+
 def test_config_to_dict_accepts_mappings_and_rejects_others():
     assert checkpoints.config_to_dict({"a": {"b": 1}}) == {"a": {"b": 1}}
     with pytest.raises(TypeError, match="got list"):
