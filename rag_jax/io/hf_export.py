@@ -39,7 +39,6 @@ import flax
 import numpy as np
 import transformers
 from absl import logging
-from safetensors.numpy import save_file
 
 from rag_jax import rag
 from rag_jax.io import hf_format
@@ -172,7 +171,7 @@ def _bart_state(cfg: bart.BartConfig, params, prefix: str) -> dict[str, np.ndarr
 
 def _write_tensors(directory: pathlib.Path, state: dict[str, np.ndarray]) -> None:
     directory.mkdir(parents=True, exist_ok=True)
-    save_file(state, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    hf_format.save_safetensors(directory / "model.safetensors", state, {"format": "pt"})
 
 
 # ---------------------------------------------------------------------------------------------

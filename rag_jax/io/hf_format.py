@@ -15,6 +15,11 @@ import re
 
 import jax
 import numpy as np
+from safetensors.numpy import save_file
+
+# The process's umask, read once at import (os.umask can only be read by setting it).
+_UMASK = os.umask(0o022)
+os.umask(_UMASK)
 
 # Tensors a checkpoint may carry that are not parameters (non-persistent buffers in newer versions).
 IGNORED = re.compile(r"(^|\.)(position_ids|token_type_ids)$")
@@ -251,3 +256,11 @@ def find_prefix(state: dict, suffix: str, path) -> str:
             f"expected exactly one tensor ending in {suffix!r} in {path}, found {hits or 'none'}"
         )
     return hits[0]
+
+
+def save_safetensors(path, tensors: dict[str, np.ndarray], metadata: dict[str, str]) -> None:
+    """Writes `tensors` to the safetensors file `path` with the permissions any file the process
+    writes gets (0644 under the usual umask): the safetensors library writes 0600, which made
+    an exported model unreadable to every other user of a shared machine."""
+    save_file(tensors, str(path), metadata=metadata)
+    os.chmod(path, 0o666 & ~_UMASK)

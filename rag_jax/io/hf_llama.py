@@ -175,7 +175,6 @@ def hf_config(cfg: llama.LlamaConfig) -> dict:
 def save_llama(directory, cfg: llama.LlamaConfig, params: dict, tokenizer=None) -> pathlib.Path:
     """Writes a folder `LlamaForCausalLM.from_pretrained` loads with equal logits (float32
     safetensors; the tokenizer too when given)."""
-    from safetensors.numpy import save_file
 
     directory = pathlib.Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
@@ -186,7 +185,7 @@ def save_llama(directory, cfg: llama.LlamaConfig, params: dict, tokenizer=None) 
         tensors[llama_name(ours)] = np.ascontiguousarray(
             value.T if ours.endswith("kernel") else value
         )
-    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    hf_format.save_safetensors(directory / "model.safetensors", tensors, {"format": "pt"})
     (directory / "config.json").write_text(json.dumps(hf_config(cfg), indent=2) + "\n")
     if tokenizer is not None:
         tokenizer.save_pretrained(str(directory))

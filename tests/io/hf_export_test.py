@@ -77,6 +77,10 @@ def test_an_hf_rag_checkpoint_round_trips_exactly(tmp_path, variant):
     cfg, params = hf.load_rag(tmp_path / "hf")
     summary = hf.save_rag(tmp_path / "out", cfg, params, variant=variant)
     assert summary["architecture"] == _CLASSES[variant].__name__
+    # Readable as any file the process writes (the safetensors library alone writes 0600).
+    (tmp_path / "plain").write_bytes(b"")
+    mode = lambda p: p.stat().st_mode & 0o777  # noqa: E731
+    assert mode(tmp_path / "out" / "model.safetensors") == mode(tmp_path / "plain")
     reloaded = _from_pretrained(_CLASSES[variant], tmp_path / "out")
     _assert_same_state(original, reloaded)
 
