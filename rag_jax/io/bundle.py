@@ -22,6 +22,7 @@ D vector width, C corpus size.
 
 import copy
 import dataclasses
+import hashlib
 import pathlib
 import threading
 from collections.abc import Iterable
@@ -34,7 +35,7 @@ from rag_jax.io import answers, bundle_format, hf_export
 from rag_jax.io.answers import AnswerSetting
 from rag_jax.io.bundle_format import Settings
 from rag_jax.retrieval import files
-from rag_jax.retrieval.corpus import Passage, check_record, corpus_checksum
+from rag_jax.retrieval.corpus import Passage, check_record, corpus_checksum, update_checksum
 from rag_jax.retrieval.index import ExactIndex
 from rag_jax.retrieval.retriever import PassageEncoder, Retriever
 from rag_jax.retrieval.scann_index import ScannIndex
@@ -196,7 +197,10 @@ class Bundle(answers.Answering):
     def save(self, directory) -> None:
         """Writes the bundle to `directory` (replacing a bundle there atomically); the bundle is
         then backed by it (`edit` writes there)."""
-        directory = pathlib.Path(directory)
+        with self._edit_lock:  # an edit writes the folder too, and checks it by the manifest
+            self._save(pathlib.Path(directory))
+
+    def _save(self, directory: pathlib.Path) -> None:
         knowledge = self._knowledge
         r = knowledge.retriever
 
@@ -219,7 +223,9 @@ class Bundle(answers.Answering):
             )
             bundle_format.share_modes(tmp)
 
-        files.swap_dir(directory, write_fn, knowledge.manifest, what="bundle")
+        manifest = files.swap_dir(directory, write_fn, knowledge.manifest, what="bundle")
+        # The files' records as written: what the next edit checks the folder against.
+        self._knowledge = _Knowledge(r, manifest)
         self.directory = directory
 
     def to_hf(self, directory, variant: str | None = None) -> dict:
@@ -279,8 +285,9 @@ class Bundle(answers.Answering):
 
         Raises:
           ValueError: naming the record or id at fault (nothing is written then).
-          bundle_format.DamagedBundleError: a file of the model (config, parameters, tokenizers)
-            is missing or differs from the manifest (nothing is written then).
+          bundle_format.DamagedBundleError: a file of the bundle (the model's, the passages',
+            the index's) is missing or differs from the manifest, or the passages read differ
+            from its corpus checksum: the folder was damaged (nothing is written then).
           OSError: the new folder could not be written (e.g. a full disk, saying so); the
             previous bundle is intact.
         """
@@ -296,17 +303,30 @@ class Bundle(answers.Answering):
             knowledge = self._knowledge
             store, old_vectors = knowledge.retriever.store, knowledge.retriever.vectors
             changed, gone = _check_edit(upserts, deletes, store)
+            old_dir = self.directory
+            # Before anything is read or written: the files the edit carries over (the model's,
+            # linked; the passages and vectors, rebuilt from) must be the ones sealed, or their
+            # damage would be sealed into the new manifest.
+            model_records = bundle_format.check_bundle(old_dir, knowledge.manifest)
             passages, kept, encoded = [], [], []  # kept: (new row, old row)
+            read = hashlib.sha256()  # the records as read (memory-mapped): the sealed ones?
             for i in range(len(store)):
-                pid = store.ids[i]
-                if pid in gone:
+                passage = store.passage(i)
+                update_checksum(read, passage)
+                if passage.id in gone:
                     continue
-                if pid in changed:
+                if passage.id in changed:
                     encoded.append(len(passages))
-                    passages.append(changed.pop(pid))
+                    passages.append(changed.pop(passage.id))
                 else:
                     kept.append((len(passages), i))
-                    passages.append(store.passage(i))
+                    passages.append(passage)
+            if read.hexdigest() != knowledge.manifest["corpus_checksum"]:
+                raise bundle_format.DamagedBundleError(
+                    f"the passages read from {store.directory} differ from the corpus_checksum "
+                    f"of {old_dir / files.MANIFEST}: the store changed after it was checked; "
+                    "the edit was not written; restore the bundle from a good copy"
+                )
             for passage in changed.values():  # new ids, in the order given
                 encoded.append(len(passages))
                 passages.append(passage)
@@ -322,16 +342,15 @@ class Bundle(answers.Answering):
             if encoded:
                 vectors[encoded] = encoder.encode([passages[i] for i in encoded])
             checksum = corpus_checksum(passages)
-            old_dir = self.directory
 
             layout = {k: store.manifest[k] for k in ("prefix", "title_sep", "doc_sep")}
             layout["suffix"] = store.manifest.get("suffix", "")
 
             def write_fn(tmp):
                 tmp = pathlib.Path(tmp)
-                # Unchanged: hard links, each checked against the manifest first, so that a
-                # file damaged or deleted since the load is never sealed into the new manifest.
-                bundle_format.link_model(old_dir, tmp, knowledge.manifest)
+                # Unchanged: hard links of the files checked above, recorded as checked (the
+                # returned records): hashed again, damage done since the check would be sealed.
+                linked = bundle_format.link_model(old_dir, tmp, model_records)
                 built = PassageStore.build(
                     passages, generator_tokenizer, tmp / "passages", **layout
                 )
@@ -339,12 +358,14 @@ class Bundle(answers.Answering):
                     raise RuntimeError(f"store checksum {built.checksum} != {checksum}")
                 bundle_format.write_index(tmp, self.fingerprint, checksum, vectors, self.settings)
                 bundle_format.share_modes(tmp)
+                return linked
 
             manifest = dict(knowledge.manifest, corpus_checksum=checksum, count=len(passages))
             # A write killed earlier left its folders beside the bundle (whole copies of the
             # passages and index); those a minute old go (younger: maybe a write in progress).
             bundle_format.remove_stale(old_dir)
-            files.swap_dir(old_dir, write_fn, manifest, what="bundle")
+            # The manifest as written, its files' records those the next edit checks against.
+            manifest = files.swap_dir(old_dir, write_fn, manifest, what="bundle")
             retriever = bundle_format.open_retriever(
                 old_dir, manifest, self.settings, self.rag_cfg, vectors
             )

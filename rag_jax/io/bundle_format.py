@@ -21,8 +21,10 @@ leaves the previous bundle; a crash between the swap's two renames leaves it asi
 `.<name>.old.*/<name>`, and `read` puts it back (`restore`). `read` refuses a missing, truncated
 or corrupted file (naming it), parameters holding NaN or inf, a manifest edited after it was
 sealed, and a manifest whose encoder fingerprint or corpus checksum disagrees with the
-parameters, the store or the index. An edit links the model's files into its new folder only
-after checking them against the manifest (`link_model`): a damaged bundle is never sealed again.
+parameters, the store or the index. An edit first checks every file of the folder against the
+manifest (`check_bundle`), then links the model's files into its new folder and carries their
+checked records into the new manifest (`link_model`), never hashing them again: a damaged bundle
+is never sealed again, not even by damage done while the edit writes.
 
 Legend: C corpus size, D vector width.
 """
@@ -157,14 +159,20 @@ def link_tree(source: pathlib.Path, target: pathlib.Path) -> None:
             shutil.copy2(src, dst)
 
 
-def link_model(source: pathlib.Path, target: pathlib.Path, manifest: dict) -> None:
-    """Hard-links the model's files (`MODEL_PARTS`) of the bundle folder `source` into `target`,
-    each first checked whole (size and sha256) against `manifest`, the one `source` was loaded
-    with: a missing, extra or changed file raises `DamagedBundleError` naming it."""
-    source, target = pathlib.Path(source), pathlib.Path(target)
+def check_bundle(source: pathlib.Path, manifest: dict) -> dict[str, dict]:
+    """Checks every file `manifest` (the one the bundle folder `source` was loaded with) lists
+    whole (size and sha256) against it, and that the model's parts (`MODEL_PARTS`) hold no file
+    it does not list; returns the model's files' records, for `link_model`.
+
+    An edit calls it before it reads or writes anything: the passages and vectors it carries
+    over and the model files it links must be the ones sealed, or a damaged bundle would be
+    sealed again.
+
+    Raises:
+      DamagedBundleError: naming the first file missing, extra or changed.
+    """
+    source = pathlib.Path(source)
     path = source / files.MANIFEST
-    inside = lambda rel: rel.split("/")[0] in MODEL_PARTS  # noqa: E731
-    listed = {rel: record for rel, record in manifest["files"].items() if inside(rel)}
     found = set()
     for part in MODEL_PARTS:
         if (source / part).is_dir():
@@ -172,16 +180,31 @@ def link_model(source: pathlib.Path, target: pathlib.Path, manifest: dict) -> No
         elif (source / part).exists():
             found.add(part)
     advice = "the edit was not written; restore the bundle from a good copy"
-    extra = sorted(found - set(listed))
+    extra = sorted(found - set(manifest["files"]))
     if extra:
         raise DamagedBundleError(f"{source / extra[0]} is not listed in {path}; {advice}")
-    for rel, record in sorted(listed.items()):
+    for rel, record in sorted(manifest["files"].items()):
         try:
             files.check_file(source / rel, record, verify=True, what="bundle file", manifest=path)
         except (OSError, ValueError) as e:
             raise DamagedBundleError(f"{e}; {advice}") from None
+    return {
+        rel: dict(record)
+        for rel, record in manifest["files"].items()
+        if rel.split("/")[0] in MODEL_PARTS
+    }
+
+
+def link_model(source: pathlib.Path, target: pathlib.Path, records: dict) -> dict:
+    """Hard-links the model's files of the bundle folder `source` into `target`; `records` are
+    theirs, as `check_bundle` checked them, and are returned for the new manifest (`swap_dir`
+    carries them over): a file damaged after the check keeps the record it no longer matches,
+    so the new bundle refuses to load rather than seal the damage."""
+    source, target = pathlib.Path(source), pathlib.Path(target)
+    for rel in sorted(records):
         (target / rel).parent.mkdir(parents=True, exist_ok=True)
         link_tree(source / rel, target / rel)
+    return records
 
 
 def _aside(directory: pathlib.Path, kind: str) -> list[pathlib.Path]:

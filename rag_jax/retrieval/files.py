@@ -8,7 +8,8 @@ evaluation JSON).
 - `write_atomic(path, data)`: a temporary file, fsync, rename over `path`, fsync of the folder.
   A crash leaves the old file or none, never a truncated one.
 - `swap_dir(directory, write_fn, manifest)`: a whole folder built beside its destination and
-  swapped in, so readers never see half of one; the previous folder survives any failure.
+  swapped in, so readers never see half of one; the previous folder survives any failure. Files
+  carried over from a checked folder keep their checked records (never hashed again).
 - Manifests (`write_manifest`, `read_manifest`): JSON naming a `format` and `version`, the byte
   size and sha256 of every data file, and `manifest_sha256`, a sha256 of the manifest's own
   canonical form. A manifest edited or damaged after it was written (a changed separator id, a
@@ -129,20 +130,29 @@ def write_atomic(path, data, *, what: str | None = None, advice: str | None = No
     fsync_dir(path.parent)
 
 
-def swap_dir(directory, write_fn: Callable[[str], None], manifest: dict, *, what: str) -> None:
+def swap_dir(
+    directory, write_fn: Callable[[str], dict | None], manifest: dict, *, what: str
+) -> dict:
     """Writes a folder beside `directory`, then swaps it in: readers never see half of one.
 
     `write_fn(tmp)` writes the data files into the folder `tmp` (sub-folders too: their files are
     listed by relative path, `files_under`); their sizes and sha256s go into the manifest
-    (`write_manifest`), written last. On any failure the previous folder stays in
-    place and nothing of the new one is left; a full disk raises `OSError(ENOSPC)` saying so.
+    (`write_manifest`), written last. A file `write_fn` carried over from a folder it checked
+    (a hard link) keeps the record it was checked against, which `write_fn` returns: hashing
+    it again would seal whatever befell it after the check. On any failure the previous
+    folder stays in place and nothing of the new one is left; a full disk raises
+    `OSError(ENOSPC)` saying so.
 
     Args:
       directory: the destination; an existing folder must be one with a manifest (it is
         replaced), anything else is refused.
-      write_fn: writes the data files.
+      write_fn: writes the data files; returns None, or {relative path: {"bytes", "sha256"}}
+        of the files among them it carried over, each as checked (the rest are hashed).
       manifest: the manifest's fields (`format`, `version` and the rest).
       what: how errors name the folder, e.g. "index".
+
+    Returns:
+      The manifest written (`manifest` with its `files`), as `read_manifest` reads it.
     """
     directory = os.path.abspath(directory)
     if os.path.isdir(directory) and os.listdir(directory):
@@ -158,9 +168,14 @@ def swap_dir(directory, write_fn: Callable[[str], None], manifest: dict, *, what
     try:
         advice = f"nothing of it was kept{kept}; free space and save again"
         with disk_full(f"the {what} {directory}", advice):
-            write_fn(tmp)
-            records = {f: file_record(os.path.join(tmp, f)) for f in files_under(tmp)}
-            text = manifest_text({**manifest, "files": records})
+            carried = write_fn(tmp) or {}
+            written = files_under(tmp)
+            stray = sorted(set(carried) - set(written))
+            if stray:  # a bug of `write_fn`: the manifest would list files the folder lacks
+                raise RuntimeError(f"{what}: records carried for files not written: {stray[:5]}")
+            records = {f: carried.get(f) or file_record(os.path.join(tmp, f)) for f in written}
+            manifest = {**manifest, "files": records}
+            text = manifest_text(manifest)
             with open(os.path.join(tmp, MANIFEST), "w", encoding="utf-8") as f:
                 f.write(text)  # the folder's rename below is what makes it atomic
         if os.path.exists(directory):
@@ -173,6 +188,7 @@ def swap_dir(directory, write_fn: Callable[[str], None], manifest: dict, *, what
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
         shutil.rmtree(old, ignore_errors=True)
+    return manifest
 
 
 def files_under(directory) -> list[str]:

@@ -293,6 +293,74 @@ def test_an_edit_never_seals_a_damaged_or_deleted_model_file(copy):
         model.edit(deletes=[model.store.ids[0]])
 
 
+def _flip_a_byte(path: pathlib.Path) -> bytes:
+    """Flips one bit of `path`'s middle byte, in place (its hard links see it too); its bytes
+    before."""
+    whole = path.read_bytes()
+    damaged = bytearray(whole)
+    damaged[len(damaged) // 2] ^= 1
+    path.write_bytes(bytes(damaged))
+    return whole
+
+
+def test_damage_done_while_an_edit_writes_is_never_sealed(copy, monkeypatch):
+    """An edit checks the model's files, hard-links them into its new folder, then writes the
+    store and index: a byte flipped in a linked file after the check was hashed again into the
+    new manifest, and a verified load accepted it. The checked records are carried over."""
+    model = bundle.load(copy)
+    share_modes = bundle_format.share_modes
+
+    def damaging(tmp):  # the last step of the edit's write before its manifest is written
+        share_modes(tmp)
+        _flip_a_byte(pathlib.Path(tmp) / "params" / "generator.safetensors")
+
+    monkeypatch.setattr(bundle_format, "share_modes", damaging)
+    model.edit(upserts=[Passage("new", "t", "a new text .")])
+    monkeypatch.undo()
+    with pytest.raises(ValueError, match=r"params/generator.safetensors is corrupted"):
+        bundle.load(copy)
+    with pytest.raises(
+        bundle_format.DamagedBundleError, match=r"params/generator.safetensors is corrupted"
+    ):
+        model.edit(deletes=["new"])  # nor sealed by the next edit
+
+
+@pytest.mark.parametrize("rel", ["passages/texts.bin", "index/vectors.bin"])
+def test_an_edit_of_damaged_passages_or_vectors_is_refused_and_writes_nothing(copy, rel):
+    """The store is memory-mapped: a byte flipped in texts.bin after the load was read into the
+    next edit's new store, sealed. An edit checks every file it carries over first."""
+    model = bundle.load(copy)
+    whole = _flip_a_byte(copy / rel)
+    before = _snapshot(copy)
+    with pytest.raises(bundle_format.DamagedBundleError, match=rf"{rel} is corrupted"):
+        model.edit(upserts=[Passage("new", "t", "a new text .")])
+    assert _snapshot(copy) == before and sorted(os.listdir(copy.parent)) == ["bundle"]
+    with pytest.raises(ValueError, match=rf"{rel} is corrupted"):
+        bundle.load(copy)
+    (copy / rel).write_bytes(whole)
+    model.edit(upserts=[Passage("new", "t", "a new text .")])  # whole again: it edits
+    assert bundle.load(copy).store.text(len(model.store) - 1) == "a new text ."
+
+
+def test_passages_changed_after_the_edits_check_are_refused(copy, monkeypatch):
+    """Between the files' check and the read of the (memory-mapped) records, a flipped byte is
+    caught by the records' corpus checksum."""
+    model = bundle.load(copy)
+    check_bundle = bundle_format.check_bundle
+
+    def checked_then_damaged(source, manifest):
+        records = check_bundle(source, manifest)
+        _flip_a_byte(pathlib.Path(source) / "passages" / "texts.bin")
+        return records
+
+    monkeypatch.setattr(bundle_format, "check_bundle", checked_then_damaged)
+    manifest = (copy / files.MANIFEST).read_bytes()
+    with pytest.raises(bundle_format.DamagedBundleError, match=r"differ from the corpus_checksum"):
+        model.edit(deletes=[model.store.ids[0]])
+    assert (copy / files.MANIFEST).read_bytes() == manifest and len(model.store) == 192
+    assert sorted(os.listdir(copy.parent)) == ["bundle"]
+
+
 def test_parameters_holding_nan_or_inf_are_refused_at_load(copy):
     """A bundle whose parameters hold NaN would load, turn healthy and answer only errors."""
     from safetensors.numpy import load_file, save_file
