@@ -5,7 +5,8 @@ r"""Serves a trained bundle over HTTP: answers with their provenance, knowledge 
     curl -s localhost:8000/v1/answer -H 'Content-Type: application/json' \
         -d '{"questions": ["where was resa nemobu born ?"], "variant": "token"}'
 
-Binds to 127.0.0.1 unless `--host` says otherwise; open http://127.0.0.1:8000/ for the page and
+Binds to 127.0.0.1 unless `--host` says otherwise, first of all (a port in use: exit status 1 at
+once, saying so); open http://127.0.0.1:8000/ for the page and
 /docs or /openapi.json for the API. `/healthz` answers 200 once the first programs are compiled
 (the largest batch bucket at the widest context, which every batch pads up to: 15-25 s from a
 cold start on 2 CPU cores); the other buckets and widths compile in the background while it
@@ -13,6 +14,8 @@ answers, and `/healthz` says `"compiled": true` once they all are; `/metrics`
 is for Prometheus, `/v1/metrics` the same counters in JSON. The routes, the batching, the
 errors and the timeouts: `rag_jax.serving.app`.
 """
+
+import sys
 
 from absl import app, flags, logging
 
@@ -52,9 +55,16 @@ def main(argv):
     del argv
     # Imported here, not above: `restart_with_host_settings` re-executes the process first, and
     # the server's imports (JAX, FastAPI) would otherwise be paid twice before it can start.
-    from rag_jax.serving import app as serving
+    from rag_jax.serving import connections
 
     logging.set_verbosity(logging.WARNING)
+    try:  # before JAX and the bundle load: a port in use fails at once, and cleanly
+        sock = connections.bind(_HOST.value, _PORT.value)
+    except OSError as e:
+        logging.error("%s", e)
+        sys.exit(1)
+    from rag_jax.serving import app as serving
+
     serving.serve(
         serving.ServerConfig(
             bundle=_BUNDLE.value,
@@ -77,7 +87,8 @@ def main(argv):
             max_connections=_CONNECTIONS.value,
             header_timeout_s=_HEADER_TIMEOUT.value,
             body_timeout_s=_BODY_TIMEOUT.value,
-        )
+        ),
+        sock,
     )
 
 

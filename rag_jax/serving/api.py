@@ -1,19 +1,27 @@
 """The server's API contract: its settings, the request bodies, the error shape, and the checks
 every request passes before it reaches the model (the `Host` header, the body's size, repeated
-JSON keys, text limits), with each request counted by route template and status.
+JSON keys, text limits, visible text), with each request counted by route template and status,
+and the headers every response carries (`nosniff`; HEAD answered as GET without the body).
 
 Legend: none (no arrays here).
 """
 
 import dataclasses
+import email.message
 import json
 import logging
+import os
+import re
 import time
+import unicodedata
 from typing import Literal
 
 import fastapi
+import pydantic
+from fastapi import exceptions as fastapi_exceptions
 from fastapi import responses, routing
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
+from starlette import concurrency
 
 from rag_jax.retrieval.corpus import has_surrogate
 from rag_jax.serving import metrics
@@ -62,6 +70,18 @@ class AnswerRequest(BaseModel):
     n_docs: StrictInt | None = Field(None, description="passages per question; default: the run's")
 
 
+def answer_request(max_batch: int) -> type[AnswerRequest]:
+    """`AnswerRequest` with at most `max_batch` questions in its schema (and its OpenAPI
+    `maxItems`): pydantic refuses a longer list from its length alone, where the unbounded list
+    made an error of every item that is not a string (a 1 MiB body of `0,`: 500,000 errors,
+    seconds of validating and rendering on the event loop). The refusal answers 413
+    (`validation_error`)."""
+    questions = Field(max_length=max_batch, description=f"the questions (1 to {max_batch})")
+    return pydantic.create_model(
+        "AnswerRequest", __base__=AnswerRequest, questions=(list[StrictStr], questions)
+    )
+
+
 class PassageBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
     text: StrictStr = Field(description="the passage's text (non-empty)")
@@ -81,6 +101,35 @@ def error_response(status: int, message: str, details=None, headers=None) -> res
     return responses.JSONResponse({"error": body}, status_code=status, headers=headers)
 
 
+# Rendered as nothing: control, format (zero-width space and joiners, BOM, bidi marks),
+# separator, surrogate and unassigned code points ...
+_INVISIBLE_CATEGORIES = frozenset({"Cc", "Cf", "Cs", "Cn", "Zs", "Zl", "Zp"})
+# ... and the letters and marks Unicode makes Default_Ignorable (Hangul fillers, the combining
+# grapheme joiner, Khmer inherent vowels, variation selectors), which their categories hide.
+_IGNORABLE = frozenset(
+    chr(c)
+    for first, last in (
+        (0x034F, 0x034F),
+        (0x115F, 0x1160),
+        (0x17B4, 0x17B5),
+        (0x180B, 0x180F),
+        (0x3164, 0x3164),
+        (0xFE00, 0xFE0F),
+        (0xFFA0, 0xFFA0),
+        (0xE0100, 0xE01EF),
+    )
+    for c in range(first, last + 1)
+)
+
+
+def has_visible(text: str) -> bool:
+    """Whether `text` holds a character that is drawn: a question of zero-width spaces or NULs
+    alone is empty to a reader, and the model would answer it from nothing."""
+    return any(
+        c not in _IGNORABLE and unicodedata.category(c) not in _INVISIBLE_CATEGORIES for c in text
+    )
+
+
 def check_text(field: str, text: str, limit: int, what: str) -> None:
     """ApiError naming `field` if `text` is over `limit` characters (413) or holds a lone
     surrogate, which UTF-8 cannot encode and tokenizers fail on (422)."""
@@ -92,11 +141,52 @@ def check_text(field: str, text: str, limit: int, what: str) -> None:
         )
 
 
+MAX_LISTED_ERRORS = 10  # schema errors listed in a response's details; the rest counted
+
+
 def validation_details(errors) -> list[dict]:
     return [
         {"loc": [str(x) for x in e.get("loc", ())], "msg": e.get("msg", ""), "type": e.get("type")}
-        for e in errors
+        for e in errors[:MAX_LISTED_ERRORS]
     ]
+
+
+def validation_error(errors: list) -> responses.JSONResponse:
+    """The answer to a request its schema refuses (FastAPI's `RequestValidationError.errors()`):
+    400 for a body that is not JSON; 413 naming the field for a list over its `max_length`
+    (more questions than max_batch); else 422. The first `MAX_LISTED_ERRORS` errors are listed,
+    the others counted: the response stays small whatever the body holds."""
+    if any(e.get("type") == "json_invalid" for e in errors):
+        return error_response(400, "the body is not valid JSON", validation_details(errors))
+    for e in errors:
+        if e.get("type") == "too_long":
+            field = ".".join(str(x) for x in e.get("loc", ())[1:])  # after "body"
+            ctx = e.get("ctx") or {}
+            message = f"{field}: {ctx.get('actual_length')} items, at most {ctx.get('max_length')}"
+            return error_response(413, message)
+    message = "the request does not match its schema"
+    if len(errors) > MAX_LISTED_ERRORS:
+        message += f" ({len(errors)} errors; the first {MAX_LISTED_ERRORS} are listed)"
+    return error_response(422, message, validation_details(errors))
+
+
+# An absolute path of two parts or more, in an error message.
+_ABSOLUTE_PATH = re.compile(r"(?<![\w.~/:-])/(?:[^\s'\"/:,;()]+/)+([^\s'\"/:,;()]*)")
+
+
+def redact(message: str, directories) -> str:
+    """`message` without the server's own folders, for a client: each of `directories` (and
+    its resolved form) is cut from the paths it starts (a bundle file reads `bundle/params/...`
+    from the bundle's parent), and any other absolute path is cut to its last part. The
+    server's log keeps the message whole."""
+    roots = set()
+    for directory in directories:
+        for root in (os.path.abspath(directory), os.path.realpath(directory)):
+            if root != os.sep:
+                roots.add(root.rstrip(os.sep) + os.sep)
+    for root in sorted(roots, key=len, reverse=True):  # the deepest first
+        message = message.replace(root, "")
+    return _ABSOLUTE_PATH.sub(r"\1", message)
 
 
 class RequestCounter:
@@ -125,33 +215,105 @@ class RequestCounter:
             self.metrics.request(route, status[0], time.monotonic() - start)
 
 
+DRAIN_FACTOR = 4  # a body over the limit is read and thrown away up to this many times it
+
+
 class BodyLimit:
-    """Refuses a request body over `limit` bytes with 413: at once when its Content-Length says
-    so, else as soon as the bytes streamed in pass it (the body is never read whole)."""
+    """Refuses a request body over `limit` bytes with 413, never keeping more than `limit` of it.
+
+    A body whose Content-Length says it is over is refused at once, unread, when that length is
+    over `DRAIN_FACTOR` times the limit or the client waits on `Expect: 100-continue` (it sends
+    nothing until told to), and the connection closes after the 413. One up to that size, like
+    one that streams past the limit, is read and thrown away first: a client that writes its
+    whole body before it reads (urllib, requests) then reads the 413, where closing on bytes
+    still unread would reset the connection under it. Past that size the refusal closes it.
+    """
 
     def __init__(self, app, limit: int):
-        self.app, self.limit = app, limit
+        self.app, self.limit, self.drain = app, limit, DRAIN_FACTOR * limit
+
+    async def _discard(self, receive, seen: int) -> bool:
+        """Reads and drops the rest of the body while it stays within `drain` bytes in all;
+        whether it ended (or the client left) within them."""
+        while seen <= self.drain:
+            got = await receive()
+            if got["type"] != "http.request" or not got.get("more_body", False):
+                return True
+            seen += len(got.get("body", b""))
+        return False
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         message = f"the request body is over {self.limit} bytes (the server's max_body_bytes)"
+        close = {"connection": "close"}  # the body's rest unread: no next request can follow
         headers = dict(scope.get("headers") or ())
-        length = headers.get(b"content-length", b"").decode("latin-1")
-        if length.strip().isdigit() and int(length) > self.limit:
+        length = headers.get(b"content-length", b"").decode("latin-1").strip()
+        if length.isdigit() and int(length) > self.limit:
+            waiting = headers.get(b"expect", b"").lower() == b"100-continue"
+            if waiting or int(length) > self.drain or not await self._discard(receive, 0):
+                return await error_response(413, message, headers=close)(scope, receive, send)
             return await error_response(413, message)(scope, receive, send)
-        seen = 0
+        seen, whole = 0, False
 
         async def counted():
-            nonlocal seen
+            nonlocal seen, whole
             got = await receive()
+            if whole:  # e.g. a route watching for the client to leave once its body is in
+                return got
+            if got["type"] == "http.disconnect":  # gone mid-body (its deadline, or it left)
+                # FastAPI answers any other error while reading a body 400, "error parsing"; its
+                # own HTTPException goes on as raised: counted as the client's leaving.
+                raise fastapi.HTTPException(499, "the client left before its body was whole")
             if got["type"] == "http.request":
                 seen += len(got.get("body", b""))
-                if seen > self.limit:  # FastAPI hands its own HTTPException on, as raised
-                    raise fastapi.HTTPException(413, message)
+                whole = not got.get("more_body", False)
+                if seen > self.limit:
+                    ended = whole or await self._discard(receive, seen)
+                    raise fastapi.HTTPException(413, message, headers=None if ended else close)
             return got
 
         await self.app(scope, counted, send)
+
+
+class HeadAsGet:
+    """Answers HEAD on a GET route as GET, without the body (FastAPI routes GET alone: HEAD was
+    405); the headers, Content-Length included, are GET's."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["method"] != "HEAD":
+            return await self.app(scope, receive, send)
+
+        async def headers_only(message):
+            if message["type"] == "http.response.body":
+                message = {**message, "body": b""}
+            await send(message)
+
+        # A copy: the server's own scope says HEAD, and it sends no body for it either.
+        await self.app({**scope, "method": "GET"}, receive, headers_only)
+
+
+class NoSniff:
+    """Adds `X-Content-Type-Options: nosniff` to every response: a browser takes each body as
+    the type it is sent as (a JSON error is never run as a script or drawn as HTML)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def with_header(message):
+            if message["type"] == "http.response.start":
+                headers = [*message.get("headers", ()), (b"x-content-type-options", b"nosniff")]
+                message = {**message, "headers": headers}
+            await send(message)
+
+        await self.app(scope, receive, with_header)
 
 
 class _Duplicate(ValueError):
@@ -159,34 +321,105 @@ class _Duplicate(ValueError):
 
 
 def _refuse_duplicates(pairs):
-    keys = [k for k, _ in pairs]
-    for i, key in enumerate(keys):
-        if key in keys[:i]:
-            raise _Duplicate(key)
-    return dict(pairs)
+    """`json.loads`' object_pairs_hook: the object, or `_Duplicate(key)` naming its first
+    repeated key. Linear in the keys: the dict is built in C and the keys are walked, once
+    with a set, only when it holds fewer keys than the pairs."""
+    obj = dict(pairs)
+    if len(obj) < len(pairs):
+        seen = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise _Duplicate(key)
+            seen.add(key)
+    return obj
+
+
+def is_json(content_type: str | None, strict: bool = True) -> bool:
+    """Whether FastAPI parses a body of this Content-Type as JSON (`fastapi.routing`'s rule):
+    application/json or application/*+json; none only where the route is not strict
+    (`strict_content_type`, FastAPI's default). Any other body reaches the model as bytes, and
+    FastAPI answers 422 (not an object) without parsing it."""
+    if not content_type:
+        return not strict
+    message = email.message.Message()
+    message["content-type"] = content_type
+    subtype = message.get_content_subtype()
+    return message.get_content_maintype() == "application" and (
+        subtype == "json" or subtype.endswith("+json")
+    )
+
+
+MAX_LISTED_FIELDS = 10  # unknown body fields named in a 422's details
+
+
+def check_json_body(body: bytes, fields: frozenset[str] | None) -> None:
+    """Raises ApiError 422 naming the first repeated key of the JSON `body` (where `json.loads`
+    keeps the last value without a word), or RequestValidationError naming the first
+    `MAX_LISTED_FIELDS` top-level keys not in `fields` (the body model's, when it forbids others:
+    pydantic would make an error of each one, and FastAPI a response of them all, on the event
+    loop). A body that does not parse is left to FastAPI, which has parsed it already (400).
+
+    Linear in the body's size (the parse is `json.loads`'); meant to run in a worker thread.
+    """
+    try:
+        value = json.loads(body, object_pairs_hook=_refuse_duplicates)
+    except _Duplicate as e:
+        raise ApiError(
+            422, f"the body repeats the key {e.args[0]!r}; each key may appear once"
+        ) from None
+    except (ValueError, RecursionError):
+        return
+    if fields is None or not isinstance(value, dict):
+        return
+    unknown = [key for key in value if key not in fields]
+    if unknown:
+        raise fastapi_exceptions.RequestValidationError(
+            [
+                {
+                    "type": "extra_forbidden",
+                    "loc": ("body", key),
+                    "msg": "Extra inputs are not permitted",
+                }
+                for key in unknown[:MAX_LISTED_FIELDS]
+            ]
+        )
 
 
 class StrictJsonRoute(routing.APIRoute):
-    """A route whose JSON body may not repeat a key (422), where `json.loads` keeps the last
-    value without a word; a body that is not JSON is left to FastAPI's own answer (400)."""
+    """A route whose JSON body may not repeat a key (422, where `json.loads` keeps the last
+    value without a word) nor, when its model forbids unknown fields, hold one (422 naming the
+    first few: pydantic's error list would grow with the body).
 
-    def get_route_handler(self):
-        handler = super().get_route_handler()
+    The check is a dependency appended to the route's own, so they run first (the edits' 403
+    before it), and after FastAPI has parsed the body (a body that is not JSON: FastAPI's 400;
+    one whose Content-Type is not JSON is not parsed, and FastAPI answers 422: not an object).
+    It parses the body again in a worker thread, in time linear in its size: the event loop
+    (`/healthz` and every other request) goes on meanwhile.
+    """
 
-        async def checked(request: fastapi.Request):
-            body = await request.body()  # kept by the request: FastAPI reads it from there
-            if body:
-                try:
-                    json.loads(body, object_pairs_hook=_refuse_duplicates)
-                except _Duplicate as e:
-                    raise ApiError(
-                        422, f"the body repeats the key {e.args[0]!r}; each key may appear once"
-                    ) from None
-                except (ValueError, RecursionError):
-                    pass
-            return await handler(request)
+    def __init__(self, path: str, endpoint, **kwargs):
+        async def strict_json(request: fastapi.Request):
+            await self._check_body(request)
 
-        return checked
+        kwargs["dependencies"] = [*(kwargs.get("dependencies") or ()), fastapi.Depends(strict_json)]
+        super().__init__(path, endpoint, **kwargs)
+        self._fields = None  # the body model's fields, when it forbids others
+        model = getattr(getattr(self.body_field, "field_info", None), "annotation", None)
+        if (
+            isinstance(model, type)
+            and issubclass(model, BaseModel)
+            and model.model_config.get("extra") == "forbid"
+            and not getattr(self, "_embed_body_fields", True)  # the body is the model itself
+        ):
+            self._fields = frozenset(f.alias or n for n, f in model.model_fields.items())
+
+    async def _check_body(self, request: fastapi.Request) -> None:
+        strict = getattr(self.strict_content_type, "value", self.strict_content_type)
+        if self.body_field is None or not is_json(request.headers.get("content-type"), strict):
+            return  # FastAPI reads no JSON here
+        body = await request.body()  # read by FastAPI already: kept by the request
+        if body:
+            await concurrency.run_in_threadpool(check_json_body, body, self._fields)
 
 
 def allowed_hosts(config: ServerConfig) -> list[str]:

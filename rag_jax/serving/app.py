@@ -17,13 +17,22 @@
   timeouts); `GET /v1/metrics`: the same server as a JSON snapshot (`metrics.Metrics`).
 
 Every error is a JSON body {"error": {"status", "message", "details"?}} with its status; a bug
-answers 500 with the exception's type, its traceback only in the server's log.
+answers 500 with the exception's type, its traceback only in the server's log, and a server
+error's message names no folder of the server's (`api.redact`: the log keeps it whole). Every
+response says `nosniff`, the page also its Content-Security-Policy (its own files only) and
+that no other site may frame it; HEAD is answered on every GET route.
 
 Hostile input is refused before it costs the server anything: a `Host` header not in
 `allowed_hosts` (400: a DNS-rebinding page cannot reach a loopback server), a body over
-`max_body_bytes` (413, from its Content-Length or while it streams, never read whole), a body
-repeating a JSON key (422), a question over `max_question_chars` or holding text UTF-8 cannot
-encode (413 / 422, before it is batched or tokenised), a passage text or id over its limit (413).
+`max_body_bytes` (413, from its Content-Length or while it streams, never kept whole; read
+and thrown away up to 4 times the limit so that a client still writing it reads the 413), a
+request giving both Content-Length and Transfer-Encoding (400, and the connection closes: a
+request smuggled in its body is never answered), more questions than `max_batch` (413, from
+the list's length in the schema: one error, not one per item), a JSON body repeating a key or
+holding unknown fields (422, checked in a worker thread), a question over
+`max_question_chars`, holding text UTF-8 cannot encode, or nothing visible (zero-width
+characters, NUL: 413 / 422, before it is batched or tokenised), a passage text or id over its
+limit (413).
 A setting (variant, num_beams, n_docs) not compiled yet is compiled off the serving path, at most
 `max_cold_settings` of them: its requests answer 503 with `Retry-After` until its first shape is
 ready, and the warmed settings' traffic never waits on a compile. The serving path never compiles:
@@ -40,10 +49,12 @@ connection (`connections.TimedH11Protocol`); an idle kept-alive one closes after
 import asyncio
 import contextlib
 import dataclasses
+import errno
 import importlib.resources
 import logging
 import os
 import pathlib
+import socket
 import tempfile
 import threading
 
@@ -61,21 +72,45 @@ from rag_jax.retrieval import files
 from rag_jax.retrieval.corpus import Passage
 from rag_jax.serving import metrics
 from rag_jax.serving.api import (
-    AnswerRequest,
     ApiError,
     BodyLimit,
+    HeadAsGet,
+    NoSniff,
     PassageBody,
     RequestCounter,
     ServerConfig,
     StrictJsonRoute,
     allowed_hosts,
+    answer_request,
     check_text,
     error_response,
-    validation_details,
+    has_visible,
+    redact,
+    validation_error,
 )
 from rag_jax.serving.state import ServerState, live_metrics
 
 log = logging.getLogger("rag_jax.serving")
+
+# The page's own files only (its script and style sheet are files of their own: nothing inline),
+# and no other site may frame it (clickjacking an edit).
+PAGE_HEADERS = {
+    "content-security-policy": (
+        "default-src 'self'; base-uri 'none'; object-src 'none'; form-action 'self'; "
+        "frame-ancestors 'none'"
+    ),
+    "x-frame-options": "DENY",
+}
+_NOT_WRITABLE = (errno.EROFS, errno.EACCES, errno.EPERM)
+
+
+def _not_writable(error: BaseException | None) -> bool:
+    """Whether `error`, or one it was raised from, says a folder may not be written."""
+    while error is not None:
+        if isinstance(error, OSError) and error.errno in _NOT_WRITABLE:
+            return True
+        error = error.__cause__ or error.__context__
+    return False
 
 
 def check_writable(model: bundle.Bundle) -> None:
@@ -131,24 +166,22 @@ def make_app(model: bundle.Bundle, config: ServerConfig, *, warm_up: bool = True
         lifespan=lifespan,
     )
     app.state.server = state
-    app.router.route_class = StrictJsonRoute  # the routes below refuse repeated JSON keys
+    app.router.route_class = StrictJsonRoute  # their JSON bodies: no repeated or unknown keys
 
     @app.exception_handler(ApiError)
     async def api_error(request, e: ApiError):
-        return error_response(e.status, e.message, headers=e.headers)
+        message = e.message
+        if e.status >= 500 and model.directory is not None:  # the server's, not the client's
+            message = redact(message, [pathlib.Path(model.directory).absolute().parent])
+        return error_response(e.status, message, headers=e.headers)
 
     @app.exception_handler(fastapi_exceptions.RequestValidationError)
     async def invalid(request, e):
-        errors = e.errors()
-        if any(err.get("type") == "json_invalid" for err in errors):
-            return error_response(400, "the body is not valid JSON", validation_details(errors))
-        return error_response(
-            422, "the request does not match its schema", validation_details(errors)
-        )
+        return validation_error(e.errors())
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request, e):
-        return error_response(e.status_code, str(e.detail))
+        return error_response(e.status_code, str(e.detail), headers=e.headers)
 
     @app.exception_handler(ClientDisconnect)
     async def client_gone(request, e):  # e.g. its body timed out: no one reads an answer
@@ -159,13 +192,17 @@ def make_app(model: bundle.Bundle, config: ServerConfig, *, warm_up: bool = True
         log.exception("%s %s failed", request.method, request.url.path)
         return error_response(500, f"internal error ({type(e).__name__}); see the server's log")
 
-    # Added last = outermost: the host is checked first, then the body's size, then counted.
+    # Added last = outermost: the host is checked first, then the body's size, then counted;
+    # every response, refusals included, says nosniff.
     app.add_middleware(RequestCounter, metrics=state.metrics)
     app.add_middleware(BodyLimit, limit=config.max_body_bytes)
     app.add_middleware(TrustedHostMiddleware, allowed_hosts=allowed_hosts(config))
+    app.add_middleware(HeadAsGet)
+    app.add_middleware(NoSniff)
+    questions_model = answer_request(config.max_batch)  # its list bounded in the schema
 
     @app.post("/v1/answer")
-    async def answer(request: AnswerRequest, http: fastapi.Request):
+    async def answer(request: questions_model, http: fastapi.Request):
         """Answers 1 to max_batch questions with their passages (prior and posterior) and, for
         RAG-Token, each token's passage posteriors."""
         setting = state.setting_of(request)
@@ -210,10 +247,18 @@ def make_app(model: bundle.Bundle, config: ServerConfig, *, warm_up: bool = True
             log.error("%s", e)
             raise ApiError(500, str(e)) from e
         except OSError as e:
-            log.error("an edit failed: %s", e)
-            status = 507 if files.is_disk_full(e) else 500
-            message = f"the edit was not written ({e}); the bundle is unchanged"
-            raise ApiError(status, message) from e
+            log.error("an edit failed: %s", e)  # whole: the client's message is redacted
+            if files.is_disk_full(e):
+                status, message = 507, f"the edit was not written ({e})"
+            elif _not_writable(e):  # e.g. remounted read-only, or its owner changed
+                status = 507
+                message = (
+                    "the edit was not written: the bundle's folder is not writable "
+                    f"({e}); serve a writable copy, or without --allow_edits"
+                )
+            else:
+                status, message = 500, f"the edit was not written ({e})"
+            raise ApiError(status, f"{message}; the bundle is unchanged") from e
 
     def _put(passage_id: str, body: PassageBody) -> tuple[dict, bool]:
         check_text("id", passage_id, config.max_id_chars, "a passage id")
@@ -221,8 +266,8 @@ def make_app(model: bundle.Bundle, config: ServerConfig, *, warm_up: bool = True
         if body.title is not None:
             check_text("title", body.title, config.max_passage_chars, "a title")
         with state.edit_lock:  # the title lookup and the edit, together
-            if not body.text.strip():
-                raise ApiError(422, "text: the passage has no text")
+            if not has_visible(body.text):
+                raise ApiError(422, "text: the passage has no text (no visible character)")
             store = model.store
             row = state.row_of(store, passage_id)
             title = body.title
@@ -248,7 +293,8 @@ def make_app(model: bundle.Bundle, config: ServerConfig, *, warm_up: bool = True
             state.metrics.edit()
         return {"deleted": passage_id, "edit": report}
 
-    # A dependency runs before the body is validated: without --allow_edits, 403 whatever the body.
+    # A dependency runs before the body is checked (`StrictJsonRoute`) and validated: without
+    # --allow_edits, 403 whatever the body holds (FastAPI's 400 first for one that is not JSON).
     edits = [fastapi.Depends(_check_edits)]
 
     @app.put("/v1/passages/{passage_id:path}", dependencies=edits)
@@ -309,7 +355,8 @@ def make_app(model: bundle.Bundle, config: ServerConfig, *, warm_up: bool = True
 
     @app.get("/", include_in_schema=False)
     async def page():
-        return responses.HTMLResponse((static / "index.html").read_text(encoding="utf-8"))
+        html = (static / "index.html").read_text(encoding="utf-8")
+        return responses.HTMLResponse(html, headers=PAGE_HEADERS)
 
     app.mount("/static", staticfiles.StaticFiles(directory=str(static)), name="static")
     return app
@@ -345,11 +392,24 @@ def uvicorn_config(app, config: ServerConfig):
     )
 
 
-def serve(config: ServerConfig) -> None:
+def serve(config: ServerConfig, sock: socket.socket | None = None) -> None:
     """Loads the bundle and serves it until interrupted (uvicorn, one process); first puts back
-    a bundle an interrupted swap left aside and removes the folders interrupted writes left."""
+    a bundle an interrupted swap left aside and removes the folders interrupted writes left.
+
+    Args:
+      config: what to serve, and how.
+      sock: the socket to listen on, bound (`connections.bind`); None: bound here to
+        `config.host`/`config.port` before anything is loaded.
+
+    Raises:
+      OSError: the address cannot be bound (e.g. the port is in use: saying so).
+    """
     import uvicorn  # the [serve] extra
 
+    from rag_jax.serving import connections
+
+    if sock is None:  # first: a port in use fails in a second, not after the bundle's load
+        sock = connections.bind(config.host, config.port)
     # XLA's CPU pool one thread short of the cores: the event loop and the batcher's preparing
     # thread run beside the model without stalling its parallel ops.
     host.start_jax_leaving_a_core()
@@ -359,4 +419,4 @@ def serve(config: ServerConfig) -> None:
     model = bundle.load(config.bundle)
     app = make_app(model, config)
     log.warning("serving %s on http://%s:%d/", config.bundle, config.host, config.port)
-    uvicorn.Server(uvicorn_config(app, config)).run()
+    uvicorn.Server(uvicorn_config(app, config)).run(sockets=[sock])

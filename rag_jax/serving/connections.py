@@ -1,5 +1,6 @@
-"""Deadlines on what a client sends: uvicorn's h11 protocol, closing a connection whose request
-head or body arrives too slowly.
+"""Deadlines on what a client sends, and one framing per request: uvicorn's h11 protocol, closing
+a connection whose request head or body arrives too slowly, or whose request gives two framings;
+and the server's listening socket, bound before anything heavy is loaded (`bind`).
 
 uvicorn times out only an idle kept-alive connection (`timeout_keep_alive`, armed when a
 response ends). A client that opens a connection and sends nothing, sends its request head a
@@ -19,14 +20,45 @@ request is not reading one); a handler waiting for the body sees the client disc
 phase is read from h11's state of the client's side after every batch of bytes parsed and
 every response, so pipelined requests are timed alike. Used through `protocol(...)` as
 `uvicorn.Config(http=...)`, which also means the pure-Python h11 parser, never httptools.
+
+A request with both Content-Length and Transfer-Encoding is answered 400 and its connection
+closed (RFC 9112 section 6.3): h11 reads such a body by its chunks, and a proxy in front that
+reads it by its length would take the bytes after the chunks for the next request, or the
+other way round (request smuggling). A malformed request's 400 is JSON, as the app's errors.
 """
 
 import asyncio
+import errno
+import json
 import math
+import socket
 from collections.abc import Callable
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
+
+AMBIGUOUS_FRAMING = (
+    "the request gives both Content-Length and Transfer-Encoding; send one (RFC 9112 6.3)"
+)
+
+
+class FramedConnection(h11.Connection):
+    """h11's connection refusing, as a protocol error, a request that frames its body twice;
+    `error` keeps the latest protocol error (uvicorn answers 400 without it)."""
+
+    error: h11.RemoteProtocolError | None = None
+
+    def next_event(self):
+        try:
+            event = super().next_event()
+            if isinstance(event, h11.Request):
+                names = {name for name, _ in event.headers}  # h11 lower-cases them
+                if b"content-length" in names and b"transfer-encoding" in names:
+                    raise h11.RemoteProtocolError(AMBIGUOUS_FRAMING, 400)
+        except h11.RemoteProtocolError as e:
+            self.error = e
+            raise
+        return event
 
 
 class TimedH11Protocol(H11Protocol):
@@ -37,8 +69,11 @@ class TimedH11Protocol(H11Protocol):
     body_timeout_s: float = 30.0
     on_timeout: Callable[[str], None] | None = None  # called with "headers" or "body"
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
+    def __init__(self, config, *args, **kwargs):
+        super().__init__(config, *args, **kwargs)
+        size = config.h11_max_incomplete_event_size  # as uvicorn's own connection has it
+        limits = {} if size is None else {"max_incomplete_event_size": size}
+        self.conn = FramedConnection(h11.SERVER, **limits)
         self._phase: str | None = None  # "headers", "body", or None: nothing awaited from them
         self._deadline: asyncio.TimerHandle | None = None
 
@@ -53,6 +88,26 @@ class TimedH11Protocol(H11Protocol):
     def handle_events(self) -> None:  # after each batch of bytes, and after a response
         super().handle_events()
         self._watch()
+
+    def send_400_response(self, msg: str) -> None:
+        """uvicorn's answer to a malformed request, as JSON saying what is wrong (h11's reason,
+        cut short: it may quote the request); the connection closes after it."""
+        if self.conn.error is not None and str(self.conn.error):
+            msg = f"malformed request: {str(self.conn.error)[:200]}"
+        body = json.dumps({"error": {"status": 400, "message": msg}}).encode()
+        headers = [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+            (b"x-content-type-options", b"nosniff"),
+            (b"connection", b"close"),
+        ]
+        for event in (
+            h11.Response(status_code=400, headers=headers, reason=b"Bad Request"),
+            h11.Data(data=body),
+            h11.EndOfMessage(),
+        ):
+            self.transport.write(self.conn.send(event))
+        self.transport.close()
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
@@ -117,3 +172,29 @@ def protocol(
         "on_timeout": None if on_timeout is None else staticmethod(on_timeout),
     }
     return type("TimedH11Protocol", (TimedH11Protocol,), attributes)
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to (`host`, `port`) for the server to listen on, as uvicorn binds one
+    (SO_REUSEADDR: a port left in TIME_WAIT by a server just stopped is taken again).
+
+    Raises:
+      OSError: the address cannot be bound; a port in use or one needing privileges says so.
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        address = f"[{host}]:{port}" if family == socket.AF_INET6 else f"{host}:{port}"
+        if e.errno == errno.EADDRINUSE:
+            reason = f"port {port} is in use (another server?); pick another with --port"
+        elif e.errno == errno.EACCES:
+            reason = f"port {port} needs privileges; pick one above 1023 with --port"
+        else:
+            reason = e.strerror or str(e)
+        raise OSError(e.errno, f"cannot listen on {address}: {reason}") from None
+    sock.set_inheritable(True)
+    return sock

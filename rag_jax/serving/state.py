@@ -13,7 +13,7 @@ import time
 
 from rag_jax.io import answers, bundle
 from rag_jax.serving import batching, metrics
-from rag_jax.serving.api import AnswerRequest, ApiError, ServerConfig, check_text
+from rag_jax.serving.api import AnswerRequest, ApiError, ServerConfig, check_text, has_visible
 
 log = logging.getLogger("rag_jax.serving")
 
@@ -251,8 +251,10 @@ class ServerState:
             )
         for i, q in enumerate(request.questions):
             check_text(f"questions[{i}]", q, c.max_question_chars, "a question")
-            if not q.strip():
-                raise ApiError(422, f"questions[{i}]: expected a non-empty question")
+            if not has_visible(q):  # e.g. zero-width spaces or NULs alone: nothing to read
+                raise ApiError(
+                    422, f"questions[{i}]: expected a non-empty question (a visible character)"
+                )
         n_docs = d.n_docs if request.n_docs is None else request.n_docs
         top = min(self.max_n_docs, len(self.model.store))
         if not 1 <= n_docs <= top:

@@ -390,8 +390,56 @@ def test_a_full_disk_answers_507_saying_so_and_the_bundle_stays(small_disk, tiny
         pid = model.store.ids[0]
         response = httpx.put(f"{server.url}/v1/passages/{pid}", json={"text": "new ."}, timeout=120)
         _error(response, 507, "disk full", "the bundle is unchanged")
+        _names_no_server_folder(response, point)
         assert httpx.get(f"{server.url}/v1/passages/{pid}").json()["text"] != "new ."
     finally:
         server.stop()
     assert bundle.load(directory).store.text(0) == model.store.text(0)
     assert sorted(os.listdir(point)) == [".filler", "bundle"]
+
+
+def _names_no_server_folder(response, *folders):
+    for folder in folders:
+        assert str(folder) not in response.text, response.text
+    assert "/tmp/" not in response.text, response.text  # nor any other absolute path
+
+
+def test_a_bundle_made_read_only_while_served_answers_507_saying_so(small_disk, tiny_trained_run):
+    """Remounted read-only under a server with edits: an edit was a 500 holding the server's
+    absolute paths. It is a 507 saying the folder is not writable, naming no server folder."""
+    point, directory = _tmpfs_copy(small_disk, tiny_trained_run, "64m")
+    model = bundle.load(directory)
+    server = InProcess(model, serving.ServerConfig(str(directory), allow_edits=True), warm_up=False)
+    try:
+        server.wait_ready(30)
+        subprocess.run(["mount", "-o", "remount,ro", str(point)], check=True)
+        pid = model.store.ids[0]
+        response = httpx.put(f"{server.url}/v1/passages/{pid}", json={"text": "new ."}, timeout=120)
+        _error(response, 507, "not writable", "the bundle is unchanged")
+        _names_no_server_folder(response, point)
+        response = httpx.delete(f"{server.url}/v1/passages/{pid}", timeout=120)
+        _error(response, 507, "not writable")
+        assert httpx.get(f"{server.url}/v1/passages/{pid}").json()["text"] != "new ."
+    finally:
+        server.stop()
+    assert bundle.load(directory).store.text(0) == model.store.text(0)
+
+
+def test_an_edit_error_names_the_bundle_file_and_no_server_folder(tiny_trained_run, tmp_path):
+    """The damage's message named the file by its absolute path; the client reads it from the
+    bundle's folder on (`bundle/params/...`), the server's log keeps it whole."""
+    directory = tmp_path / "served" / "bundle"
+    shutil.copytree(tiny_trained_run[0] / "bundle", directory)
+    model = bundle.load(directory)
+    server = InProcess(model, serving.ServerConfig(str(directory), allow_edits=True), warm_up=False)
+    params = directory / "params" / "generator.safetensors"
+    damaged = bytearray(params.read_bytes())
+    damaged[len(damaged) // 2] ^= 1
+    try:
+        server.wait_ready(30)
+        params.write_bytes(bytes(damaged))
+        response = httpx.put(f"{server.url}/v1/passages/new", json={"text": "a text ."})
+        _error(response, 500, "bundle/params/generator.safetensors is corrupted", "not written")
+        _names_no_server_folder(response, tmp_path)
+    finally:
+        server.stop()
