@@ -38,6 +38,10 @@ _WARM = flags.DEFINE_multi_enum(
 _COLD = flags.DEFINE_integer(
     "max_cold_settings", 4, "settings compiled on demand beyond the warmed; 0 = warmed only"
 )
+_COLD_IDLE = flags.DEFINE_float("cold_idle_s", 300.0, "a cold setting idle this long is evicted")
+_COLD_FILL = flags.DEFINE_integer(
+    "cold_fill_after", 8, "requests before a cold setting compiles its other shapes"
+)
 _QUESTION_CHARS = flags.DEFINE_integer("max_question_chars", 2_000, "longest question (chars)")
 _PASSAGE_CHARS = flags.DEFINE_integer("max_passage_chars", 100_000, "longest edited passage")
 _ID_CHARS = flags.DEFINE_integer("max_id_chars", 256, "longest edited passage id (chars)")
@@ -78,6 +82,8 @@ def main(argv):
             max_beams=_MAX_BEAMS.value,
             warm_variants=tuple(_WARM.value),
             max_cold_settings=_COLD.value,
+            cold_idle_s=_COLD_IDLE.value,
+            cold_fill_after=_COLD_FILL.value,
             max_question_chars=_QUESTION_CHARS.value,
             max_passage_chars=_PASSAGE_CHARS.value,
             max_id_chars=_ID_CHARS.value,

@@ -274,6 +274,14 @@ class Answering:
                 run += 1
         return run
 
+    def forget(self, setting: AnswerSetting) -> None:
+        """Drops `setting`'s compiled programs: its shapes leave `ready_shapes` and its jitted
+        program's executables are freed (a server evicting an idle setting). The question
+        encoder's programs, shared by every setting, stay."""
+        with self._compile_lock, self._ready_lock:
+            self._ready.pop(setting, None)
+            self._program(setting).clear_cache()
+
     def _answer_setting(self, questions, variant, num_beams, n_docs, decoding) -> AnswerSetting:
         """The setting `questions` are answered with (None: the bundle's default), checked."""
         if isinstance(questions, str):

@@ -48,6 +48,12 @@ class ServerConfig:
     # Settings (variant, num_beams, n_docs) beyond the warmed ones compiled on demand, in the
     # background (their requests answer 503 + Retry-After meanwhile); 0 = only the warmed ones.
     max_cold_settings: int = 4
+    # A cold setting with no request for this long is evicted: its slot, and its compiled
+    # programs, are freed (else a few odd requests held every slot for the server's lifetime).
+    cold_idle_s: float = 300.0
+    # A cold setting compiles its first shape only; its other shapes once it has served this
+    # many requests (one odd request queued 15 compiles).
+    cold_fill_after: int = 8
     max_question_chars: int = 2_000  # a longer question is refused (413) before it is tokenised
     max_passage_chars: int = 100_000  # an edit's longest passage text or title (413 beyond)
     max_id_chars: int = 256  # an edit's longest passage id (413 beyond)

@@ -33,14 +33,17 @@ holding unknown fields (422, checked in a worker thread), a question over
 `max_question_chars`, holding text UTF-8 cannot encode, or nothing visible (zero-width
 characters, NUL: 413 / 422, before it is batched or tokenised), a passage text or id over its
 limit (413).
-A setting (variant, num_beams, n_docs) not compiled yet is compiled off the serving path, at most
-`max_cold_settings` of them: its requests answer 503 with `Retry-After` until its first shape is
-ready, and the warmed settings' traffic never waits on a compile. The serving path never compiles:
-a batch runs at the cheapest (bucket, width) shape compiled that holds it (`state.ServerState`). The
-batcher prepares the next batch (tokens, question vectors, passages, contexts) while the current
-one generates; a failing merged batch is answered again one request at a time
-(`batching.Batcher`), so one client's request never fails another's; a client that disconnects
-before its batch starts is dropped. A slow client cannot hold a connection: a
+A setting (variant, num_beams, n_docs) not compiled yet is compiled off the serving path, at
+most `max_cold_settings` of them: its requests answer 503 with `Retry-After` until its first
+shape is ready, and the warmed settings' traffic never waits on a compile; its other shapes
+compile once it has traffic (`cold_fill_after` requests), and it is evicted after `cold_idle_s`
+without a request. A warmed setting's probe answer with a non-finite number keeps `/healthz` 503
+(its "reason" names the field); such an answer past ready is a 500 naming it. The serving path
+never compiles: a batch runs at the cheapest (bucket, width) shape compiled that holds it
+(`state.ServerState`). The batcher prepares the next batch (tokens, question vectors, passages,
+contexts) while the current one generates; a failing merged batch is answered again one request
+at a time (`batching.Batcher`), so one client's request never fails another's; a client that
+disconnects before its batch starts is dropped. A slow client cannot hold a connection: a
 request head not whole within `header_timeout_s` of the connection's opening (or of its first
 byte after a keep-alive wait), or a body not whole within `body_timeout_s` after it, closes the
 connection (`connections.TimedH11Protocol`); an idle kept-alive one closes after `keep_alive_s`.
@@ -88,7 +91,7 @@ from rag_jax.serving.api import (
     redact,
     validation_error,
 )
-from rag_jax.serving.state import ServerState, live_metrics
+from rag_jax.serving.state import ServerState, check_finite, live_metrics
 
 log = logging.getLogger("rag_jax.serving")
 
@@ -223,6 +226,7 @@ def make_app(model: bundle.Bundle, config: ServerConfig, *, warm_up: bool = True
             answers = answered.result()
         except ValueError as e:  # e.g. an edit left fewer passages than n_docs
             raise ApiError(422, str(e)) from e
+        check_finite(answers)  # a named 500, not the JSON renderer's exception
         body = {
             "answers": [a.to_dict() for a in answers],
             "setting": dataclasses.asdict(setting),
@@ -334,10 +338,13 @@ def make_app(model: bundle.Bundle, config: ServerConfig, *, warm_up: bool = True
     @app.get("/healthz")
     async def healthz():
         """200 once each warmed setting's first shape is compiled (then every answer can run);
-        503 before. "compiled": every shape of the warmed settings is (none compiles later)."""
+        503 before, with a "reason" when a probe answer kept it unready (a non-finite number,
+        named). "compiled": every shape of the warmed settings is (none compiles later)."""
         ready = state.ready.is_set()
         compiled = state.compiled_traces is not None
         body = {"ready": ready, "compiled": compiled, "passages": len(model.store)}
+        if not ready and state.unhealthy is not None:  # compiled, but its answers are unusable
+            body["reason"] = state.unhealthy
         return responses.JSONResponse(body, status_code=200 if ready else 503)
 
     @app.get("/metrics", response_class=responses.PlainTextResponse)

@@ -16,6 +16,45 @@ from rag_jax.serving import batching, metrics
 from rag_jax.serving.api import AnswerRequest, ApiError, ServerConfig, check_text, has_visible
 
 log = logging.getLogger("rag_jax.serving")
+# What a server asks each warmed setting before it reports ready (any question does: it checks
+# that the answer's numbers are finite).
+PROBE_QUESTION = "where was resa nemobu born ?"
+
+
+def _name(setting: batching.Setting) -> str:
+    return f"variant={setting.variant}, num_beams={setting.num_beams}, n_docs={setting.n_docs}"
+
+
+def nonfinite_field(answer: answers.Answer, prefix: str) -> str | None:
+    """The first number of `answer` that is NaN or infinite, named as a client reads it
+    (`answers[0].log_likelihood`, with `prefix` "answers[0]"); None if every one is finite."""
+
+    def walk(value, path: str) -> str | None:
+        if isinstance(value, bool | int | str) or value is None:
+            return None
+        if isinstance(value, dict):
+            items = ((f"{path}.{k}", v) for k, v in value.items())
+        elif isinstance(value, list | tuple):
+            items = ((f"{path}[{i}]", v) for i, v in enumerate(value))
+        else:  # a float, numpy's too
+            return None if math.isfinite(value) else path
+        for where, item in items:
+            found = walk(item, where)
+            if found is not None:
+                return found
+        return None
+
+    return walk(answer.to_dict(), prefix)
+
+
+def check_finite(answered: list[answers.Answer]) -> None:
+    """Raises ApiError 500 naming the first non-finite number of `answered` (which JSON cannot
+    carry), logging it: the model's outputs overflowed."""
+    for i, answer in enumerate(answered):
+        field = nonfinite_field(answer, f"answers[{i}]")
+        if field is not None:
+            log.error("%s is not finite (question %r)", field, answer.question)
+            raise ApiError(500, f"{field} is not finite")
 
 
 class ServerState:
@@ -25,6 +64,10 @@ class ServerState:
     the top bucket at the widest width, which any batch pads up to); its other shapes then
     compile one by one on the compile thread while it is served, and answers run only at shapes
     compiled (`compiled_only`), padding up to the cheapest: the serving path never compiles.
+    Before ready, each warmed setting answers a probe question, and a non-finite number in it
+    keeps the server unready (`unhealthy` says why). A cold setting (not warmed) compiles its
+    first shape on its first request, its other shapes once it has served `cold_fill_after`
+    requests, and is evicted after `cold_idle_s` without one.
     """
 
     def __init__(self, model: bundle.Bundle, config: ServerConfig, *, on_demand: bool = False):
@@ -66,6 +109,11 @@ class ServerState:
         self.filling: set[batching.Setting] = set()  # served, other shapes still compiling
         self.compile_s = 10.0  # how long the latest first shape took to compile (Retry-After)
         self.compiler = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="compile")
+        # Why the server stays unready though its programs compiled (None: it is not kept so).
+        self.unhealthy: str | None = None
+        self.clock = time.monotonic  # when a cold setting was last asked for (tests fake it)
+        self.last_used: dict[batching.Setting, float] = {}  # cold settings: their last request
+        self.served: dict[batching.Setting, int] = {}  # cold settings: requests since compiled
 
     def _prepare(self, questions, setting: batching.Setting):
         return self.model.prepare(
@@ -89,16 +137,18 @@ class ServerState:
             shapes=shapes,
         )
 
-    def ready_shapes(self, setting: batching.Setting) -> tuple[tuple[int, int], ...]:
-        """The (batch bucket, context width) shapes of `setting` compiled: answers run at the
-        cheapest that holds them (`Bundle.ready_shapes`)."""
-        key = answers.AnswerSetting(
+    def _answer_setting(self, setting: batching.Setting) -> answers.AnswerSetting:
+        return answers.AnswerSetting(
             setting.variant,
             setting.num_beams,
             setting.n_docs,
             self.model.settings.sequence_decoding,
         )
-        return self.model.ready_shapes().get(key, ())
+
+    def ready_shapes(self, setting: batching.Setting) -> tuple[tuple[int, int], ...]:
+        """The (batch bucket, context width) shapes of `setting` compiled: answers run at the
+        cheapest that holds them (`Bundle.ready_shapes`)."""
+        return self.model.ready_shapes().get(self._answer_setting(setting), ())
 
     def _compile_first(self, setting: batching.Setting) -> None:
         """Compiles `setting`'s first shape: it is served from then on."""
@@ -106,14 +156,15 @@ class ServerState:
         self._compile(setting, self.model.compile_plan(self.config.max_batch)[:1])
         with self.settings_lock:
             self.warm.add(setting)
-            self.filling.add(setting)
             self.compile_s = time.monotonic() - start
 
     def _compile_next(self, setting: batching.Setting) -> None:
         """Compiles the next shape of `setting` not compiled yet, then queues the one after: one
         shape per task, so a cold setting's first shape waits behind one shape at most."""
+        with self.settings_lock:
+            evicted = setting not in self.warm
         plan = self.model.compile_plan(self.config.max_batch)
-        missing = [s for s in plan if s not in self.ready_shapes(setting)]
+        missing = [] if evicted else [s for s in plan if s not in self.ready_shapes(setting)]
         try:
             self._compile(setting, missing[:1])
         except Exception:  # noqa: BLE001 - it is served with the shapes compiled
@@ -153,35 +204,84 @@ class ServerState:
             finally:
                 with self.settings_lock:
                     self.compiling.discard(setting)
+        for setting in self.warmed:
+            self.unhealthy = self._probe(setting)
+            if self.unhealthy is not None:
+                log.error("not ready: %s", self.unhealthy)
+                return
         self.ready.set()
         log.warning("ready: %d traces compiled; the other shapes follow", self.model.traces)
+        with self.settings_lock:
+            self.filling.update(self.warmed)
         for setting in self.warmed:
             self._submit(self._compile_next, setting)
 
+    def _probe(self, setting: batching.Setting) -> str | None:
+        """Answers `PROBE_QUESTION` with `setting` at its compiled shape: None if every number
+        of the answer is finite, else why not. Parameters finite but huge (3e38 in a bias)
+        load and compile fine and make every answer's numbers NaN or infinite."""
+        try:
+            (probe,) = self._generate(self._prepare([PROBE_QUESTION], setting), setting)
+        except Exception as e:  # noqa: BLE001 - the server stays up, not ready, and says why
+            log.exception("the probe answer of %s failed", setting)
+            return f"the probe answer of {_name(setting)} failed ({type(e).__name__}: {e})"
+        field = nonfinite_field(probe, "answer")
+        if field is None:
+            return None
+        return (
+            f"the probe answer of {_name(setting)}: {field} is not finite "
+            "(the model's parameters give NaN or infinite outputs)"
+        )
+
     def _compile_cold(self, setting: batching.Setting) -> None:
+        """Compiles a cold setting's first shape alone: the others wait for its traffic
+        (`check_warm`), so that one odd request costs one compile."""
         try:
             self._compile_first(setting)
-            log.warning("compiled %s; its other shapes follow", setting)
+            log.warning("compiled %s; its other shapes follow its traffic", setting)
         except Exception as e:  # noqa: BLE001 - its requests answer why
             log.exception("compiling %s failed", setting)
             with self.settings_lock:
                 self.failed[setting] = f"{type(e).__name__}: {e}"
-        else:
-            self._submit(self._compile_next, setting)
         finally:
             with self.settings_lock:
                 self.compiling.discard(setting)
+                self.last_used[setting] = self.clock()  # idle from its compile's end
+                self.served[setting] = 0
+
+    def _evict_idle(self) -> None:
+        """Evicts the cold settings (served or failed) asked for by no request in the last
+        `cold_idle_s`, freeing their slots; their programs are dropped on the compile thread
+        (after any compile running), never on the event loop. Holds `settings_lock`."""
+        now = self.clock()
+        for setting, last in list(self.last_used.items()):
+            busy = setting in self.compiling or setting in self.filling
+            if busy or now - last < self.config.cold_idle_s:
+                continue
+            log.warning("evicting %s: no request for %.0f s", setting, now - last)
+            del self.last_used[setting]
+            self.served.pop(setting, None)
+            self.failed.pop(setting, None)
+            if setting in self.warm:
+                self.warm.discard(setting)
+                self._submit(self.model.forget, self._answer_setting(setting))
 
     def check_warm(self, setting: batching.Setting) -> None:
         """Returns if `setting` is compiled; else starts compiling it in the background (at most
         `max_cold_settings` beyond the warmed ones) and raises ApiError: 503 with Retry-After
         while it compiles, 422 when no more settings are compiled, 500 if its compile failed."""
         with self.settings_lock:
+            self._evict_idle()
+            if setting in self.last_used:  # a cold setting: its traffic keeps it
+                self.last_used[setting] = self.clock()
             if setting in self.warm:
+                if setting in self.served:
+                    self.served[setting] += 1
+                    if self.served[setting] == self.config.cold_fill_after:
+                        self.filling.add(setting)
+                        self._submit(self._compile_next, setting)
                 return
-            name = (
-                f"variant={setting.variant}, num_beams={setting.num_beams}, n_docs={setting.n_docs}"
-            )
+            name = _name(setting)
             if setting in self.failed:
                 raise ApiError(500, f"{name}: compiling it failed ({self.failed[setting]})")
             if setting not in self.compiling:
@@ -195,6 +295,7 @@ class ServerState:
                         f"n_docs) in {served}",
                     )
                 self.compiling.add(setting)
+                self.last_used[setting] = self.clock()
                 self.compiler.submit(self._compile_cold, setting)
             retry = max(1, math.ceil(self.compile_s))
         raise ApiError(
