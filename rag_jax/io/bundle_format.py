@@ -43,7 +43,6 @@ import transformers
 from safetensors.numpy import load_file, save_file
 
 from rag_jax import rag
-from rag_jax.io import hf
 from rag_jax.models import bart, bert, llama
 from rag_jax.retrieval import files
 from rag_jax.retrieval.index import ExactIndex
@@ -159,6 +158,50 @@ def link_tree(source: pathlib.Path, target: pathlib.Path) -> None:
             shutil.copy2(src, dst)
 
 
+# The tokenizer classes a bundle may name: the ones the trainer writes (WordPiece for the
+# towers, BART's, the Llama family's and tokenizers' fast backends) and their kin. Any other
+# transformers class named in a crafted tokenizer_config.json would run its own from_pretrained
+# (a RagRetriever's tried to download wiki_dpr from the Hub).
+TOKENIZER_CLASSES = frozenset(
+    f"{name}{fast}"
+    for name in (
+        "Bert",
+        "Bart",
+        "Roberta",
+        "GPT2",
+        "Llama",
+        "DPRQuestionEncoder",
+        "DPRContextEncoder",
+        "T5",
+        "Gemma",
+        "Qwen2",
+    )  # fmt: skip
+    for fast in ("Tokenizer", "TokenizerFast")
+) | {"PreTrainedTokenizerFast", "TokenizersBackend"}
+
+
+def check_paths(directory: pathlib.Path, manifest: dict) -> None:
+    """Every file the manifest lists lies inside the bundle folder: no absolute path, no `..`,
+    no link that leads out of it (a crafted manifest or link would have a load read, and an
+    edit carry over, a file anywhere on the machine).
+
+    Raises:
+      ValueError naming the manifest entry.
+    """
+    root = pathlib.Path(directory).resolve()
+    path = pathlib.Path(directory) / files.MANIFEST
+    for rel in manifest["files"]:
+        parts = pathlib.PurePosixPath(rel).parts
+        if not isinstance(rel, str) or not parts or rel.startswith(("/", "\\")) or ".." in parts:
+            raise ValueError(f"{path}: the entry {rel!r} is not a path inside the bundle")
+        target = (pathlib.Path(directory) / rel).resolve()
+        if not target.is_relative_to(root):
+            raise ValueError(
+                f"{path}: the entry {rel!r} leads out of the bundle (a link to {target}); "
+                "a bundle holds its own files"
+            )
+
+
 def check_bundle(source: pathlib.Path, manifest: dict) -> dict[str, dict]:
     """Checks every file `manifest` (the one the bundle folder `source` was loaded with) lists
     whole (size and sha256) against it, and that the model's parts (`MODEL_PARTS`) hold no file
@@ -180,6 +223,10 @@ def check_bundle(source: pathlib.Path, manifest: dict) -> dict[str, dict]:
         elif (source / part).exists():
             found.add(part)
     advice = "the edit was not written; restore the bundle from a good copy"
+    try:
+        check_paths(source, manifest)
+    except ValueError as e:
+        raise DamagedBundleError(f"{e}; {advice}") from None
     extra = sorted(found - set(manifest["files"]))
     if extra:
         raise DamagedBundleError(f"{source / extra[0]} is not listed in {path}; {advice}")
@@ -308,6 +355,7 @@ def read(directory, *, verify: bool = True) -> Parts:
     for rel in _REQUIRED:
         if rel not in manifest["files"]:
             raise ValueError(f"{path}: lists no {rel}; the bundle is incomplete")
+    check_paths(directory, manifest)
     for rel, record in manifest["files"].items():
         files.check_file(directory / rel, record, verify=verify, what="bundle file", manifest=path)
     try:
@@ -461,7 +509,13 @@ def _load_tokenizer(directory: pathlib.Path):
         config = json.loads((directory / "tokenizer_config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
         raise ValueError(f"{directory}: no readable tokenizer_config.json ({e})") from None
-    cls = getattr(transformers, str(config.get("tokenizer_class")), None)
-    if cls is None:
-        return hf.load_tokenizer(directory)
-    return cls.from_pretrained(str(directory))
+    name = config.get("tokenizer_class")
+    if name is not None and name not in TOKENIZER_CLASSES:
+        raise ValueError(
+            f"{directory / 'tokenizer_config.json'}: tokenizer_class {name!r} is not a tokenizer "
+            f"a bundle may hold (one of {sorted(TOKENIZER_CLASSES)})"
+        )
+    cls = getattr(transformers, str(name), None)
+    if cls is None:  # no class named (or one this transformers lacks): read the files alone
+        return transformers.AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+    return cls.from_pretrained(str(directory), local_files_only=True)

@@ -5,6 +5,7 @@ import dataclasses
 import json
 import os
 import pathlib
+import re
 import shutil
 import tempfile
 import threading
@@ -567,3 +568,35 @@ def test_a_generator_with_a_fixed_encoder_round_trips_its_own_embedding(tmp_path
     assert [a.answer for a in loaded.answer(questions)] == [
         a.answer for a in model.answer(questions)
     ]
+
+
+@pytest.mark.parametrize("entry", ["../../x", "/etc/passwd", "params/../../../x"])
+def test_manifest_entries_outside_the_bundle_are_refused_naming_them(copy, entry):
+    manifest = files.read_manifest(copy, {bundle.FORMAT: (bundle.VERSION,)}, what="bundle")
+    record = manifest["files"]["config.json"]
+    _reseal(copy, files={**manifest["files"], entry: record})
+    with pytest.raises(ValueError, match=re.escape(f"the entry {entry!r} is not a path inside")):
+        bundle.load(copy)
+
+
+def test_a_link_leading_out_of_the_bundle_is_refused_at_load_and_by_an_edit(copy, tmp_path):
+    outside = tmp_path / "elsewhere.json"
+    shutil.copyfile(copy / "config.json", outside)
+    (copy / "config.json").unlink()
+    (copy / "config.json").symlink_to(outside)  # the same bytes, outside the folder
+    with pytest.raises(ValueError, match=r"'config.json' leads out of the bundle"):
+        bundle.load(copy)
+    with pytest.raises(bundle_format.DamagedBundleError, match=r"leads out of the bundle"):
+        bundle_format.check_bundle(copy, files.read_manifest(
+            copy, {bundle.FORMAT: (bundle.VERSION,)}, what="bundle"))  # fmt: skip
+
+
+def test_a_tokenizer_class_a_bundle_may_not_hold_is_refused(copy):
+    config_path = next(copy.glob("tokenizers/*/tokenizer_config.json"))
+    config = json.loads(config_path.read_text())
+    config_path.write_text(json.dumps({**config, "tokenizer_class": "RagRetriever"}))
+    manifest = files.read_manifest(copy, {bundle.FORMAT: (bundle.VERSION,)}, what="bundle")
+    rel = config_path.relative_to(copy).as_posix()
+    _reseal(copy, files={**manifest["files"], rel: files.file_record(config_path)})
+    with pytest.raises(ValueError, match=r"tokenizer_class 'RagRetriever' is not a tokenizer"):
+        bundle.load(copy)
