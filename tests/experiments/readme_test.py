@@ -45,18 +45,23 @@ def _run(code: str, paths: dict, namespace: dict) -> dict:
 
 
 def test_the_library_quick_start_runs_as_written(paths):
-    quick, causal = _blocks("Library quick start")
+    quick, _ = _blocks("Library quick start")
     ns = _run(quick, paths, {})
     batch, n_docs = len(ns["questions"]), ns["cfg"].n_docs
     assert ns["context_input_ids"].shape[0] == batch * n_docs
     assert np.all(np.isfinite(np.asarray(ns["nll"]))) and np.asarray(ns["nll"]).shape == (batch,)
     assert np.asarray(ns["out"]).shape[0] == batch
+
+
+@pytest.mark.slow  # SmolLM2 read from its GGUF file and run on the example's prompts
+def test_the_causal_example_runs_as_written(paths):
+    quick, causal = _blocks("Library quick start")
     try:
         hf_llama.smollm2_path()
     except FileNotFoundError as e:
         pytest.skip(reason=f"the causal example needs SmolLM2: {e}")
-    ns = _run(causal, paths, ns)
-    assert np.asarray(ns["causal_nll"]).shape == (batch,)
+    ns = _run(causal, paths, _run(quick, paths, {}))
+    assert np.asarray(ns["causal_nll"]).shape == (len(ns["questions"]),)
     assert np.all(np.asarray(ns["causal_nll"]) > 0)
 
 

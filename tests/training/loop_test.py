@@ -370,6 +370,7 @@ def warm_cache(tmp_path_factory):
     return str(tmp_path_factory.mktemp("warm_start"))
 
 
+@pytest.mark.slow  # two tiny runs with their warm start: ~40-90 s on 2 cores
 @pytest.mark.parametrize(
     "overrides",
     [
