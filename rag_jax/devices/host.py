@@ -22,8 +22,16 @@ it first thing; library users can call it at the top of their own scripts, or ex
 variables themselves. A value already in the environment is kept (`OPENBLAS_THREAD_TIMEOUT=28` is
 OpenBLAS's default), and `RAG_JAX_HUGE_PAGES=0` leaves huge pages off. On accelerators the step's
 buffers live in device memory and these change only host-side work.
+
+On a host with no accelerator, JAX still tries every backend it can load, and with the `[tpu]`
+extra installed that means loading libtpu (a 300 MB library) and letting it look for a TPU: on
+some hosts it prints five lines of start-up errors ("unexpected worker hostname") that look like
+a failure. When the host has no TPU chip on its PCI bus and no GPU plugin of JAX is installed,
+`JAX_PLATFORMS=cpu` is added too (a value already set is kept).
 """
 
+import glob
+import importlib.metadata
 import os
 import sys
 import warnings
@@ -34,6 +42,11 @@ OPT_OUT = "RAG_JAX_HUGE_PAGES"
 # log2 of the cycles OpenBLAS's idle workers spin before they sleep (its range: 4-30).
 OPENBLAS_TIMEOUT = ("OPENBLAS_THREAD_TIMEOUT", "4")
 THP_MODE_FILE = "/sys/kernel/mm/transparent_hugepage/enabled"
+# TPU chips are PCI devices of Google's vendor id (what JAX's own TPU start-up looks for).
+GOOGLE_PCI_VENDOR = "0x1ae0"
+PCI_VENDOR_FILES = "/sys/bus/pci/devices/*/vendor"
+# Distributions of JAX's GPU backends (jax[cuda12] installs jax-cuda12-plugin, and so on).
+GPU_PLUGIN_PREFIXES = ("jax-cuda", "jax_cuda", "jax-rocm", "jax_rocm")
 
 
 def glibc_version() -> tuple[int, int] | None:
@@ -74,13 +87,33 @@ def tunable_takes_effect() -> bool:
     return version is not None and version >= (2, 35) and thp_mode() == "madvise"
 
 
+def has_tpu_chip() -> bool:
+    """Whether a PCI device of Google's vendor id (a TPU chip) is on this host."""
+    for path in glob.glob(PCI_VENDOR_FILES):
+        try:
+            with open(path, encoding="ascii") as f:
+                if f.read().strip() == GOOGLE_PCI_VENDOR:
+                    return True
+        except OSError:
+            continue
+    return False
+
+
+def has_gpu_plugin() -> bool:
+    """Whether a GPU backend of JAX (CUDA or ROCm plugin) is installed."""
+    names = (d.metadata["Name"] or "" for d in importlib.metadata.distributions())
+    return any(name.lower().startswith(GPU_PLUGIN_PREFIXES) for name in names)
+
+
 def startup_environment(environ=None) -> dict[str, str]:
     """The variables `restart_with_host_settings` would set in `environ` (default: this
     process's), with their new values; empty when nothing is missing.
 
     - `GLIBC_TUNABLES` gains the huge-page tunable where it takes effect (`tunable_takes_effect`),
       unless it is set already or `RAG_JAX_HUGE_PAGES` is 0;
-    - `OPENBLAS_THREAD_TIMEOUT` is set to 4 unless it is set already.
+    - `OPENBLAS_THREAD_TIMEOUT` is set to 4 unless it is set already;
+    - `JAX_PLATFORMS=cpu` unless it is set already (empty counts as unset, as for JAX), or the
+      host has a TPU chip or JAX a GPU plugin (`has_tpu_chip`, `has_gpu_plugin`).
     """
     environ = os.environ if environ is None else environ
     changes = {}
@@ -93,6 +126,8 @@ def startup_environment(environ=None) -> dict[str, str]:
     name, value = OPENBLAS_TIMEOUT
     if name not in environ:
         changes[name] = value
+    if not environ.get("JAX_PLATFORMS") and not has_tpu_chip() and not has_gpu_plugin():
+        changes["JAX_PLATFORMS"] = "cpu"
     return changes
 
 

@@ -1,6 +1,7 @@
 """rag_jax.devices.host: the restart with huge pages and sleeping OpenBLAS workers, in real child
 processes."""
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -126,8 +127,10 @@ def test_an_openblas_timeout_already_set_is_kept():
 def test_after_the_restart_openblas_workers_sleep_instead_of_spinning():
     # As started (OpenBLAS's default 2^28 cycles) the workers burn ~0.1 s of CPU after every
     # product; that is the time they take from an XLA step that follows a search.
+    # (The spinning shows in the round that gets a free core: another process on the cores,
+    # such as a second test worker, can take the others'.)
     spinning = _run_child({"OPENBLAS_THREAD_TIMEOUT": "28", host.OPT_OUT: "0"}, SPIN_CHILD)
-    assert min(spinning[-1]["burnt_ms"]) > 20
+    assert max(spinning[-1]["burnt_ms"]) > 20
     sleeping = _run_child({host.OPT_OUT: "0"}, SPIN_CHILD)
     assert max(sleeping[-1]["burnt_ms"]) < 10
 
@@ -139,11 +142,31 @@ def test_existing_tunables_are_kept():
 
 
 def test_nothing_changes_when_set_or_refused():
-    blas = {"OPENBLAS_THREAD_TIMEOUT": "28"}
+    blas = {"OPENBLAS_THREAD_TIMEOUT": "28", "JAX_PLATFORMS": "cpu,tpu"}
     assert host.startup_environment({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0", **blas}) == {}
     assert host.startup_environment({"GLIBC_TUNABLES": f"x=1:{host.TUNABLE}", **blas}) == {}
     assert host.startup_environment({host.OPT_OUT: "0", **blas}) == {}
-    assert host.startup_environment({host.OPT_OUT: "0"}) == {"OPENBLAS_THREAD_TIMEOUT": "4"}
+    platforms = {"JAX_PLATFORMS": "tpu"}
+    assert host.startup_environment({host.OPT_OUT: "0", **platforms}) == {
+        "OPENBLAS_THREAD_TIMEOUT": "4"
+    }
+
+
+def test_jax_is_kept_off_libtpu_where_there_is_no_accelerator(monkeypatch, tmp_path):
+    """With no TPU chip and no GPU plugin, JAX_PLATFORMS=cpu; else JAX picks as it would."""
+    blas = {"OPENBLAS_THREAD_TIMEOUT": "28", host.OPT_OUT: "0"}
+    for name in ("0000:00:04.0", "0000:00:05.0"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "vendor").write_text("0x1af4\n")  # virtio devices
+    monkeypatch.setattr(host, "PCI_VENDOR_FILES", str(tmp_path / "*" / "vendor"))
+    monkeypatch.setattr(host, "has_gpu_plugin", lambda: False)
+    assert host.startup_environment(blas) == {"JAX_PLATFORMS": "cpu"}
+    assert host.startup_environment({**blas, "JAX_PLATFORMS": "cuda"}) == {}
+    (tmp_path / "0000:00:05.0" / "vendor").write_text("0x1ae0\n")  # a TPU chip
+    assert host.startup_environment(blas) == {}
+    (tmp_path / "0000:00:05.0" / "vendor").write_text("0x1af4\n")
+    monkeypatch.setattr(host, "has_gpu_plugin", lambda: True)
+    assert host.startup_environment(blas) == {}
 
 
 def test_thp_mode_reads_the_bracketed_entry(tmp_path):
@@ -164,3 +187,29 @@ def test_a_failed_restart_warns_and_carries_on(monkeypatch):
     monkeypatch.setattr(host.os, "execve", refuse)
     with pytest.warns(RuntimeWarning, match="OPENBLAS_THREAD_TIMEOUT=4 .*exec refused"):
         host.restart_with_host_settings()
+
+
+LIBTPU_CHILD = textwrap.dedent(
+    """
+    import json, os
+    import jax
+    from rag_jax.devices import host
+    host.restart_with_host_settings()
+    jax.devices()
+    with open("/proc/self/maps") as f:
+        mapped = "libtpu" in f.read()
+    print(json.dumps({"platforms": os.environ.get("JAX_PLATFORMS"), "libtpu": mapped}))
+    """
+)
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("libtpu") is None or host.has_tpu_chip() or host.has_gpu_plugin(),
+    reason="needs libtpu installed (the [tpu] extra) on a host with no TPU chip or GPU plugin",
+)
+def test_a_script_on_a_host_without_accelerators_never_loads_libtpu():
+    """Plain `import jax; jax.devices()` loads libtpu when it is installed (its start-up errors
+    printed on some hosts); a script that restarts with the host settings does not."""
+    env = {"JAX_PLATFORMS": ""}  # as a user's shell has it: unset
+    lines = _run_child(env, LIBTPU_CHILD)
+    assert lines[-1] == {"platforms": "cpu", "libtpu": False}
