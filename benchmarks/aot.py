@@ -58,8 +58,8 @@ from rag_jax.devices import device_memory, sharding
 from rag_jax.models import flash
 from rag_jax.retrieval import index_format
 from rag_jax.retrieval.device_index import DeviceIndex
-from rag_jax.run import evaluation, model_setup, synthetic, validation
-from rag_jax.training import loop
+from rag_jax.run import model_setup, synthetic, validation
+from rag_jax.training import evaluation, loop
 from rag_jax.training.batcher import batch_shapes
 from rag_jax.training.optim import make_optimizer
 from rag_jax.training.step import joint_loss_fn
@@ -507,8 +507,8 @@ def run(config, topology: str, *, layouts, remats, paths, largest: bool, generat
                     row["largest"] = largest_batch(
                         measure, t.chips, t.hbm_bytes, (batch, other), largest_tries
                     )
-                log(_line(row))
-                report(out)
+                    log(_line(row))  # the row again, with its largest batch
+                    report(out)
     for row in out["train"]:
         if not row["fits"]:
             same = [r for r in out["train"] if r.get("index") == row.get("index")]

@@ -59,11 +59,11 @@ from benchmarks import floor as step_floor
 from benchmarks import train_step as ts
 from rag_jax import rag
 from rag_jax.io import hf
-from rag_jax.retrieval.build import workdir_store
+from rag_jax.model_inputs import answer_labels, context_width, label_width, question_tokens
 from rag_jax.retrieval.corpus import Passage
 from rag_jax.retrieval.index import ExactIndex
 from rag_jax.retrieval.retriever import Retriever
-from rag_jax.training.inputs import answer_labels, context_width, label_width, question_tokens
+from rag_jax.run.index_build import workdir_store
 from rag_jax.training.step import init_state
 
 N_DOCS, CONTEXT, TARGET, QUESTION = ts.N_DOCS, ts.CONTEXT, ts.TARGET, ts.QUESTION

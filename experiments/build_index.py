@@ -18,6 +18,15 @@ too, since no BART is installed here; MiniLM reads one text, hence --input_forma
 `experiments/configs/squad_open.py`; an index is used only by runs whose passage tower pools the
 same way, since the pooling is part of the encoder's fingerprint.)
 
+With vectors computed elsewhere (a `.npy` file or folder of them, Parquet, or a `datasets` folder
+such as wiki_dpr's, see `rag_jax.retrieval.vector_import`), no encoder is loaded:
+
+    python experiments/build_index.py --corpus=psgs_w100.tsv --vectors=/data/wiki_dpr_saved \
+      --generator_tokenizer=facebook/bart-large --out=/data/wiki_index --kind=scann
+
+A `.tsv` corpus is ingested by `--workers` processes (default: every core), resumably: a killed
+run started again goes on from its last commit (`rag_jax.retrieval.ingest`).
+
 Writes `<out>/passages` (rag_jax.retrieval.store), `<out>/vectors` (sharded .npy + manifest) and
 `<out>/index` (rag_jax.retrieval.index, loadable with `index.load`). Re-running the same command
 resumes: the store is reused, encoding continues from its last finished shard. The second command
@@ -27,16 +36,19 @@ for about 96% of them.
 """
 
 import argparse
+import pathlib
 
 from rag_jax.devices import host
-from rag_jax.retrieval import encode
-from rag_jax.retrieval.build import build_index
+from rag_jax.io import hf
+from rag_jax.retrieval import encode, ingest, vector_import
+from rag_jax.run.index_build import build_index
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--corpus", required=True, help="passages: DPR .tsv or .jsonl (.gz ok)")
-    parser.add_argument("--encoder", required=True, help="DPR context encoder or BERT dir/hub id")
+    parser.add_argument("--encoder", help="DPR context encoder or BERT dir/hub id")
+    parser.add_argument("--vectors", help="precomputed vectors to import instead of encoding")
     parser.add_argument("--generator_tokenizer", required=True, help="generator tokenizer dir")
     parser.add_argument("--out", required=True, help="output directory")
     parser.add_argument("--kind", default="exact", choices=("exact", "scann"))
@@ -50,25 +62,38 @@ def main(argv=None):
     parser.add_argument("--pooling", default="cls", choices=("cls", "mean"), help="the vector")
     parser.add_argument("--normalize", action="store_true", help="L2-normalise the vectors")
     parser.add_argument("--overwrite", action="store_true", help="replace another run's output")
+    parser.add_argument("--workers", type=int, default=None, help="tokenising processes")
     args = parser.parse_args(argv)
+    if bool(args.encoder) == bool(args.vectors):
+        parser.error("give one of --encoder (encode the corpus) and --vectors (import them)")
 
-    result = build_index(
-        args.corpus,
-        args.encoder,
-        args.generator_tokenizer,
-        args.out,
-        kind=args.kind,
-        encoder_tokenizer_path=args.encoder_tokenizer,
-        max_length=args.max_length,
-        input_format=args.input_format,
-        batch_size=args.batch_size,
-        shard_size=args.shard_size,
-        dtype=args.dtype,
-        compute_dtype=args.compute_dtype,
-        pooling=args.pooling,
-        normalize=args.normalize,
-        overwrite=args.overwrite,
-    )
+    if args.vectors:
+        tokenizer = hf.load_tokenizer(args.generator_tokenizer)
+        store_dir = pathlib.Path(args.out) / "passages"
+        store = ingest.open_or_build(
+            args.corpus, tokenizer, store_dir, overwrite=args.overwrite, workers=args.workers
+        )
+        result = vector_import.index_from_vectors(args.vectors, store, args.out, kind=args.kind)
+        result = {"passages": str(store_dir), **result}
+    else:
+        result = build_index(
+            args.corpus,
+            args.encoder,
+            args.generator_tokenizer,
+            args.out,
+            kind=args.kind,
+            encoder_tokenizer_path=args.encoder_tokenizer,
+            max_length=args.max_length,
+            input_format=args.input_format,
+            batch_size=args.batch_size,
+            shard_size=args.shard_size,
+            dtype=args.dtype,
+            compute_dtype=args.compute_dtype,
+            pooling=args.pooling,
+            normalize=args.normalize,
+            overwrite=args.overwrite,
+            workers=args.workers,
+        )
     for key, value in result.items():
         print(f"{key}: {value}")
 

@@ -19,8 +19,8 @@ from absl import app, flags, logging
 
 from rag_jax.devices import host
 from rag_jax.io import answers, bundle
-from rag_jax.run import data, evaluation
-from rag_jax.training import loop
+from rag_jax.run import data
+from rag_jax.training import evaluation, loop
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "a training workdir (checkpoints + config)")
 _BUNDLE = flags.DEFINE_string("bundle", None, "a bundle folder (<workdir>/bundle)")

@@ -22,10 +22,10 @@ import ml_collections
 
 from rag_jax.devices import distributed
 from rag_jax.retrieval import files
-from rag_jax.retrieval.build import workdir_store
 from rag_jax.retrieval.corpus import Passage
-from rag_jax.run import data, evaluation, settings, synthetic
-from rag_jax.training import loop
+from rag_jax.run import data, settings, synthetic
+from rag_jax.run.index_build import workdir_store
+from rag_jax.training import evaluation, loop
 
 FREEZE_RETRIEVER = r"^(passage_encoder/|question_encoder/|generator/final_logits_bias)"
 FREEZE_GENERATOR_BIAS = r"^(generator/final_logits_bias)"

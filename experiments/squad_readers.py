@@ -29,7 +29,8 @@ import numpy as np
 from rag_jax.devices import host
 from rag_jax.retrieval import files
 from rag_jax.retrieval.corpus import read_passages
-from rag_jax.run import data, evaluation, experiment, settings, validation
+from rag_jax.run import data, settings, validation
+from rag_jax.training import evaluation, experiment
 from squad_study import CONFIGS  # the configs, loaded by path
 
 squad_open = CONFIGS["squad_open"]

@@ -42,10 +42,10 @@ import numpy as np
 import feedback_study
 from rag_jax.devices import distributed, host
 from rag_jax.retrieval import files
-from rag_jax.retrieval.build import workdir_store
 from rag_jax.retrieval.index import ExactIndex
-from rag_jax.run import evaluation, experiment, paired, settings
-from rag_jax.training import loop, salient
+from rag_jax.run import paired, settings
+from rag_jax.run.index_build import workdir_store
+from rag_jax.training import evaluation, experiment, loop, salient
 from rag_jax.training.batcher import Batcher
 
 

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 
 from rag_jax.models import bart, bert
-from rag_jax.retrieval.build import build_index
 from rag_jax.retrieval.device_index import DeviceIndex
-from rag_jax.run import articles, data, experiment, settings, validation
-from rag_jax.training import loop
+from rag_jax.run import articles, data, settings, validation
+from rag_jax.run.index_build import build_index
+from rag_jax.training import experiment, loop
 from squad_subset import squad_subset
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -23,8 +23,8 @@ CONFIGS = sorted(p.stem for p in CONFIG_DIR.glob("*.py"))
 
 # Sub-configs that are leaves here: their keys are checked against a dataclass or a reader.
 LEAF_DICTS = ("model.question_encoder", "model.generator", "data.fields")
-# (required, optional) keys per data source and per model init, as rag_jax/run/experiment.py reads
-# them. Every other key of default.py is common to all configs.
+# (required, optional) keys per data source and per model init, as
+# rag_jax/training/experiment.py reads them. Every other key of default.py is common to all configs.
 SOURCE_KEYS = {
     "synthetic": (
         {
@@ -154,7 +154,7 @@ def test_config_sets_only_the_keys_its_run_consumes(name, monkeypatch):
     assert not set(changed) - allowed, f"{name}: sets {sorted(set(changed) - allowed)}"
     for key, choices in CHOICES.items():
         assert keys[key] in choices, f"{name}: {key}={keys[key]!r} not in {choices}"
-    # Conditional requirements of rag_jax/run/experiment.py.
+    # Conditional requirements of rag_jax/training/experiment.py.
     if config.data.source == "files" and not config.data.eval_path:
         assert 0 < config.data.eval_fraction < 1  # the held-out articles
     if config.data.source == "tfds" and not config.retrieval.index_dir:

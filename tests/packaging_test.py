@@ -73,3 +73,47 @@ def test_modules_stay_within_the_style_guides_size():
     }
     assert len(sizes) > 80
     assert not {p: n for p, n in sizes.items() if n > 600}
+
+
+# docs/design.md, "Layers": the packages lowest first ("" is the top-level modules); a module
+# imports only modules of its own package or of one before it in this list.
+LAYERS = ("devices", "models", "", "retrieval", "io", "run", "training", "serving")
+
+
+def _package(module: str) -> str:
+    """The layer of a rag_jax module: its subpackage, or "" for a top-level module."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 2 or (ROOT / "rag_jax" / parts[-1]).is_dir() else ""
+
+
+def _layer_violations(graph: dict[str, set[str]]) -> list[str]:
+    """The imports of a module graph that reach a package above the importer's."""
+    rank = {name: i for i, name in enumerate(LAYERS)}
+    return sorted(
+        f"{module} -> {target}"
+        for module, targets in graph.items()
+        for target in targets
+        if rank[_package(target)] > rank[_package(module)]
+    )
+
+
+def test_packages_import_only_the_layers_below_them():
+    graph = {}
+    for path in (ROOT / "rag_jax").rglob("*.py"):
+        name = ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+        graph[name] = _imports(path)
+    assert {_package(m) for m in graph} == set(LAYERS)  # every package has its place
+    upward = _layer_violations(graph)
+    assert not upward, upward
+    # The check catches an import upwards, e.g. the evaluation's of the trainer's batcher when it
+    # lived in `run`, and the retriever's of `run.checkpoints`.
+    assert _layer_violations(
+        {
+            "rag_jax.run.evaluation": {"rag_jax.training.batcher"},
+            "rag_jax.retrieval.retriever": {"rag_jax.run.checkpoints"},
+            "rag_jax.io.answers": {"rag_jax.retrieval.store"},
+        }
+    ) == [
+        "rag_jax.retrieval.retriever -> rag_jax.run.checkpoints",
+        "rag_jax.run.evaluation -> rag_jax.training.batcher",
+    ]

@@ -28,14 +28,15 @@ import pytest
 
 import hf_fixtures
 from experiments.configs import default as default_config
+from rag_jax.devices import preemption
 from rag_jax.io import hf
 from rag_jax.retrieval import encode, files, index
-from rag_jax.retrieval.build import build_index, load_passage_encoder
 from rag_jax.retrieval.corpus import Passage
 from rag_jax.retrieval.store import PassageStore
 from rag_jax.retrieval.vectors import load_vectors
-from rag_jax.run import checkpoints, experiment, settings, validation
-from rag_jax.training import ict, loop
+from rag_jax.run import checkpoints, settings, validation
+from rag_jax.run.index_build import build_index, load_passage_encoder
+from rag_jax.training import experiment, ict, loop
 from rag_jax.training.batcher import Batcher
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -111,11 +112,11 @@ def compilation_cache(tmp_path_factory):
 
 
 @pytest.fixture
-def preemption(monkeypatch):
+def stop_flag(monkeypatch):
     """The trainer's SIGTERM handler and stop flag, fresh for the test and restored after it."""
     previous = signal.getsignal(signal.SIGTERM)
-    monkeypatch.setattr(checkpoints, "_STOP_REQUESTED", threading.Event())
-    yield checkpoints._STOP_REQUESTED
+    monkeypatch.setattr(preemption, "_STOP_REQUESTED", threading.Event())
+    yield preemption._STOP_REQUESTED
     signal.signal(signal.SIGTERM, previous)
 
 
@@ -140,7 +141,7 @@ def straight(tmp_path_factory, compilation_cache):
 
 @pytest.mark.slow  # the first trainer run of the module compiles: ~25 s
 def test_preemption_at_a_random_step_saves_that_step_and_resumes_bitwise(
-    tmp_path, straight, preemption, monkeypatch, capsys
+    tmp_path, straight, stop_flag, monkeypatch, capsys
 ):
     """SIGTERM while a random batch is prepared: the step it completes is saved, nothing lost."""
     batch_index = int(np.random.default_rng().integers(0, STEPS - 1))
@@ -161,7 +162,7 @@ def test_preemption_at_a_random_step_saves_that_step_and_resumes_bitwise(
         assert ckpt.latest_step() == stopped
 
     monkeypatch.setattr(Batcher, "train_batch", original)
-    preemption.clear()
+    stop_flag.clear()
     assert loop.train_and_evaluate(config, tmp_path)["steps"] == STEPS
     assert f"resumed from checkpoint step {stopped} in" in capsys.readouterr().out
     _, resumed, _ = loop.restore(tmp_path, exp=straight.exp)
@@ -322,7 +323,7 @@ def test_a_transient_read_error_stops_the_restore_and_moves_nothing(tmp_path, mo
 
 @pytest.mark.slow  # the first trainer run of the module compiles: ~25 s
 def test_non_finite_loss_stops_at_its_step_and_the_last_good_checkpoint_is_intact(
-    tmp_path, straight, preemption, monkeypatch
+    tmp_path, straight, stop_flag, monkeypatch
 ):
     """A NaN at train step 5 of a run saving every 2 steps and logging every 100: the run stops
     at step 5 naming the metric, and step 4 (not a NaN step 6) is its newest checkpoint."""
@@ -373,7 +374,7 @@ def test_small_state_files_are_replaced_whole_or_not_at_all(small_disk):
 
 @pytest.mark.slow  # the first trainer run of the module compiles: ~25 s
 def test_disk_full_while_checkpointing_says_so_and_the_previous_step_survives(
-    tmp_path, straight, preemption, monkeypatch
+    tmp_path, straight, stop_flag, monkeypatch
 ):
     from orbax.checkpoint._src.path import async_path
 
@@ -685,7 +686,7 @@ def test_negative_or_zero_sizes_get_their_own_message(tmp_path, key, value):
 
 
 def test_sigterm_during_a_warm_start_saves_its_progress_and_the_rerun_resumes_it(
-    tmp_path, preemption, monkeypatch, capsys
+    tmp_path, stop_flag, monkeypatch, capsys
 ):
     """The handler is installed before anything is built: a SIGTERM during the ICT warm start
     (here at its step 4 of 12) ends the run with a message, its progress saved, and the next run
@@ -709,7 +710,7 @@ def test_sigterm_during_a_warm_start_saves_its_progress_and_the_rerun_resumes_it
     assert len(partial) == 1 and str(partial[0]) in summary["preempted"]
 
     monkeypatch.setattr(ict, "ict_batch", original)
-    preemption.clear()
+    stop_flag.clear()
     resumed = experiment.build(config, tmp_path / "stopped", retriever=False)
     assert "ICT warm start: resuming at step 4" in capsys.readouterr().out
     assert not partial[0].exists()  # done: only the finished warm start is kept
@@ -718,7 +719,7 @@ def test_sigterm_during_a_warm_start_saves_its_progress_and_the_rerun_resumes_it
         _assert_bitwise_equal(resumed.params[name], straight.params[name], name)
 
 
-def test_sigterm_in_the_training_loop_saves_the_step_it_finished(tmp_path, preemption, monkeypatch):
+def test_sigterm_in_the_training_loop_saves_the_step_it_finished(tmp_path, stop_flag, monkeypatch):
     """The trainer's own SIGTERM path, short: the step in flight finishes and is saved, the
     process returns normally, and the next start resumes there and finishes the run."""
     config = tiny_config(
@@ -740,7 +741,7 @@ def test_sigterm_in_the_training_loop_saves_the_step_it_finished(tmp_path, preem
     with checkpoints.Checkpointer(tmp_path, read_only=True) as ckpt:
         assert ckpt.latest_step() == 2
     monkeypatch.setattr(Batcher, "train_batch", original)
-    preemption.clear()
+    stop_flag.clear()
     assert loop.train_and_evaluate(config, tmp_path)["steps"] == 3
 
 

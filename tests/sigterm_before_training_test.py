@@ -17,7 +17,7 @@ import pytest
 
 from rag_jax.retrieval import encode
 from rag_jax.retrieval import retriever as retriever_lib
-from rag_jax.run import experiment
+from rag_jax.training import experiment
 from tiny_runs import tiny_config
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -29,8 +29,9 @@ NO_WARM_STARTS = {"warm_start.method": "none", "warm_start.reader_steps": 0}
 _DRIVER = textwrap.dedent(
     """
     import json, sys, time
-    from rag_jax.run import checkpoints
+    from rag_jax.devices import preemption
     from rag_jax.retrieval import encode, retriever
+    from rag_jax.run import checkpoints
     from rag_jax.training import loop
     from tiny_runs import tiny_config
 
@@ -40,7 +41,7 @@ _DRIVER = textwrap.dedent(
     def pause(label):
         print(f"paused at {{label}}", flush=True)
         deadline = time.time() + 120
-        while not checkpoints.should_stop() and time.time() < deadline:
+        while not preemption.should_stop() and time.time() < deadline:
             time.sleep(0.05)
 
     windows, encode_passages = [], encode.encode_passages

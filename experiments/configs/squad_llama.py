@@ -90,7 +90,7 @@ def get_config(variant: str = ""):
     config.eval.batch_size = 8
     config.eval.max_length = 16  # generated tokens
     # Each prompt's greedy answer and likelihoods are computed once, kept beside the answer
-    # memo, and shared by every row's, seed's and hot swap's evaluation (run.memo_decoding: the
+    # memo, and shared by every row's, seed's and hot swap's evaluation (training.memo_decoding: the
     # answers of the jitted RAG-Sequence thorough decoding).
     config.eval.answer_memo = True
     validation.check_frozen_layers(config.train.freeze, 30, 0)  # the generator's 30 layers

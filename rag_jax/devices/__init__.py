@@ -1,2 +1,2 @@
 """Devices and processes: the `data` mesh and placements, several hosts, device memory
-plans, and the host-process settings read at start-up."""
+plans, the host-process settings read at start-up, preemption notices and progress lines."""

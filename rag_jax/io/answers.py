@@ -25,9 +25,9 @@ import jax
 import numpy as np
 
 from rag_jax import causal, rag, rag_math
+from rag_jax.model_inputs import context_width, question_tokens
 from rag_jax.retrieval.retriever import Retriever
 from rag_jax.retrieval.store import PassageStore
-from rag_jax.training.inputs import context_width, question_tokens
 
 # Batch sizes answers are computed at (a batch is padded up to the next); larger batches are cut
 # into batches of the largest.

@@ -188,7 +188,13 @@ class ExactIndex(Index):
 
     @classmethod
     def load(
-        cls, directory: str, expect: dict | None = None, *, verify: bool = True, **kwargs
+        cls,
+        directory: str,
+        expect: dict | None = None,
+        *,
+        verify: bool = True,
+        mmap: bool = False,
+        **kwargs,
     ) -> ExactIndex:
         """Reads an index written by `ExactIndex.save` or `DeviceIndex.save`.
 
@@ -197,14 +203,21 @@ class ExactIndex(Index):
           expect: manifest fields the caller knows, e.g. {"corpus_checksum": ..., "count": ...};
             any difference raises ValueError naming each field with both values.
           verify: also check each file's sha256 (sizes are always checked).
+          mmap: memory-map `vectors.bin` read-only instead of reading it into memory: a search
+            then reads the stored rows (float16 stays float16) one chunk at a time, and the
+            index costs no memory beyond the page cache and one chunk's float32 scores.
           **kwargs: passed to the constructor (`chunk_size`).
         """
-        manifest, vectors = load_vectors(directory, expect, verify, kinds=("exact",))
+        manifest, vectors = load_vectors(directory, expect, verify, kinds=("exact",), mmap=mmap)
         return cls(vectors, **provenance(manifest), **kwargs)
 
 
-def load(directory: str, expect: dict | None = None, *, verify: bool = True) -> Index:
-    """Reads any host index folder, choosing `ExactIndex` or `ScannIndex` by its manifest kind."""
+def load(
+    directory: str, expect: dict | None = None, *, verify: bool = True, mmap: bool = False
+) -> Index:
+    """Reads any host index folder, choosing `ExactIndex` or `ScannIndex` by its manifest kind;
+    `mmap` memory-maps an exact index's vectors (`ExactIndex.load`)."""
     kind = read_manifest(directory, None, kinds=("exact", "scann"))["kind"]
-    cls = {"exact": ExactIndex, "scann": ScannIndex}[kind]
-    return cls.load(directory, expect, verify=verify)
+    if kind == "exact":
+        return ExactIndex.load(directory, expect, verify=verify, mmap=mmap)
+    return ScannIndex.load(directory, expect, verify=verify)

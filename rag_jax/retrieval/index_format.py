@@ -81,8 +81,9 @@ def save_vectors(index: Index, vectors: np.ndarray, directory, extra: dict | Non
     files.swap_dir(directory, write_fn, manifest, what="index")
 
 
-def load_vectors(directory, expect, verify, kinds) -> tuple[dict, np.ndarray]:
-    """Checks and reads an index folder's `vectors.bin`; returns (manifest, [C, D] vectors)."""
+def load_vectors(directory, expect, verify, kinds, mmap=False) -> tuple[dict, np.ndarray]:
+    """Checks and reads an index folder's `vectors.bin`; returns (manifest, [C, D] vectors),
+    memory-mapped read-only with `mmap` (of the stored dtype: float16 stays float16)."""
     directory = os.fspath(directory)
     manifest = read_manifest(directory, expect, kinds)
     shape, dtype = (manifest["count"], manifest["dim"]), DTYPES.get(manifest["dtype"])
@@ -94,5 +95,9 @@ def load_vectors(directory, expect, verify, kinds) -> tuple[dict, np.ndarray]:
         )
     path = os.path.join(directory, VECTORS)
     files.check_file(path, record, verify=verify, what="index file")
-    vectors = np.fromfile(path, np.dtype(dtype).newbyteorder("<")).reshape(shape)
+    little = np.dtype(dtype).newbyteorder("<")
+    if mmap:
+        vectors = np.memmap(path, little, mode="r", shape=shape)
+        return manifest, vectors if little == np.dtype(dtype) else vectors.astype(dtype)
+    vectors = np.fromfile(path, little).reshape(shape)
     return manifest, vectors.astype(dtype, copy=False)

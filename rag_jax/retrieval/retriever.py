@@ -33,7 +33,8 @@ import pathlib
 import jax
 import numpy as np
 
-from rag_jax.devices import distributed, sharding
+from rag_jax.devices import distributed, preemption, sharding
+from rag_jax.devices.progress import Eta
 from rag_jax.retrieval import encode, files
 from rag_jax.retrieval.device_index import DeviceIndex
 from rag_jax.retrieval.index import ExactIndex
@@ -41,8 +42,6 @@ from rag_jax.retrieval.index_base import Index
 from rag_jax.retrieval.index_format import read_manifest
 from rag_jax.retrieval.scann_index import ScannIndex
 from rag_jax.retrieval.store import PassageStore, tokenizer_fingerprint
-from rag_jax.run import checkpoints
-from rag_jax.run.progress import Eta
 
 
 @dataclasses.dataclass
@@ -382,8 +381,8 @@ def encode_store(store: PassageStore, encoder: PassageEncoder, partial=None) -> 
 
     Encoded on this process's devices: on several hosts each one encodes the whole corpus, for
     its own replica of a host index, or for its own devices' rows of a `DeviceIndex` (the
-    encoder's default mesh refuses to span processes). A stop request (`checkpoints.should_stop`)
-    is honoured between windows of `ENCODE_WINDOW` passages, raising `checkpoints.Preempted`.
+    encoder's default mesh refuses to span processes). A stop request (`preemption.should_stop`)
+    is honoured between windows of `ENCODE_WINDOW` passages, raising `preemption.Preempted`.
 
     Resuming: with `partial` (a file path), the stop first saves the windows encoded so far there
     (`_save_partial`: one file, written atomically by process 0, keyed by everything the vectors
@@ -400,13 +399,13 @@ def encode_store(store: PassageStore, encoder: PassageEncoder, partial=None) -> 
     eta = Eta("corpus encoding", count, "passages", start=first)
     for start in range(first, count, ENCODE_WINDOW):
         eta.update(start)
-        if checkpoints.should_stop():
+        if preemption.should_stop():
             if partial is None:
                 kept = "are not kept; the next run encodes them again"
             else:
                 _save_partial(partial, key, parts)
                 kept = f"are saved in {partial}, and the next run resumes there"
-            raise checkpoints.Preempted(
+            raise preemption.Preempted(
                 f"stopped while encoding the corpus of {store.directory}: {start} of {count} "
                 f"passages were encoded and {kept}"
             )

@@ -1,2 +1,2 @@
-"""A run's plumbing: its settings and their start-up checks, the experiment built from them
-(data, tokenizers, models, retriever), held-out evaluation and its metrics, checkpoints."""
+"""A run's plumbing, below the trainer: its settings and their start-up checks, model setup,
+data, the offline index build, metrics and checkpoints."""

@@ -26,9 +26,8 @@ Guarantees the trainer relies on:
   `<step>.unreadable-<time>`, where they no longer shadow the ones this run saves), and calls
   `init_fn` when there is none. Storage that fails for now (an I/O error, a timeout) is not an
   unreadable step: the restore stops saying so, and nothing is moved.
-- Preemption. `install_preemption_handler()` turns SIGTERM into a flag the loop polls with
-  `should_stop(step)`; on multi-host runs `should_stop` instead asks JAX's preemption service
-  whether all hosts reached the agreed step, so every host saves the same step.
+- Preemption. The loop polls `devices.preemption.should_stop(step)` and saves the step it
+  says (the same step on every host); a warm start keeps its own loop's state in `Progress`.
 - Multi-host. Every process makes the same calls (`save`, `restore_latest`, `close`): orbax
   writes each array's shards from the processes that hold them and synchronises the processes.
   The directory must be storage that every host sees: a `gs://` bucket (the URL reaches orbax
@@ -38,12 +37,12 @@ Guarantees the trainer relies on:
 
 The training loop looks like::
 
-    install_preemption_handler()
+    preemption.install_preemption_handler()
     ckpt = Checkpointer(workdir, max_to_keep=3, save_interval_steps=1000)
     state, start = ckpt.restore_or_init(init_fn, abstract_state)
     step = start or 0
     while step < num_steps:
-        if should_stop(step):
+        if preemption.should_stop(step):
             ckpt.save(step, state, config, force=True)
             break
         state = train_step(state, batch(step))
@@ -56,8 +55,6 @@ import contextlib
 import errno
 import json
 import logging as std_logging
-import signal
-import threading
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -70,8 +67,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
 from etils import epath
-from jax.experimental import multihost_utils
 
+from rag_jax.devices import preemption
 from rag_jax.retrieval import files
 
 
@@ -494,24 +491,15 @@ def load_config(workdir: epath.PathLike, step: int | None = None) -> ml_collecti
         return checkpointer.load_config(step)
 
 
-# Set from a signal handler, read by the training loop; an Event is safe across threads.
-_STOP_REQUESTED = threading.Event()
-
-
-class Preempted(Exception):
-    """A stop (SIGTERM) honoured before the training loop had a state to save: the message says
-    what was kept for the next run and what it will do again."""
-
-
 class Progress:
     """Where a resumable loop before the training loop (a warm start) keeps its state when it is
     stopped midway, and finds it again: `<path>`, a msgpack of the loop's state, written
     atomically by process 0.
 
     The loop calls `load(state)` before its first step (the saved state, or None) and
-    `stop_if_requested(state, step, total)` before each step; it raises `Preempted` after saving
-    when a stop was requested. A loop whose batches are functions of `(seed, step)` then ends
-    bitwise where an uninterrupted one ends.
+    `stop_if_requested(state, step, total)` before each step; it raises `preemption.Preempted`
+    after saving when a stop was requested. A loop whose batches are functions of `(seed, step)`
+    then ends bitwise where an uninterrupted one ends.
     """
 
     def __init__(self, path, label: str):
@@ -532,12 +520,12 @@ class Progress:
         return jax.tree.map(jnp.asarray, value)
 
     def stop_if_requested(self, state, step: int, total: int) -> None:
-        if not should_stop():
+        if not preemption.should_stop():
             return
         if jax.process_index() == 0:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             files.write_atomic(self.path, flax.serialization.to_bytes(jax.device_get(state)))
-        raise Preempted(
+        raise preemption.Preempted(
             f"stopped during the {self.label} at step {step} of {total}: its progress is saved in "
             f"{self.path}, and the next run resumes it there"
         )
@@ -545,54 +533,3 @@ class Progress:
     def clear(self) -> None:
         if jax.process_index() == 0 and self.path.exists():
             self.path.unlink()
-
-
-def install_preemption_handler(signals: tuple[int, ...] = (signal.SIGTERM,)) -> bool:
-    """Makes SIGTERM (a TPU VM's preemption notice) set the flag `should_stop` reports.
-
-    Call from the main thread, after `distributed.maybe_initialize_distributed()`. On a
-    multi-process run nothing is installed: JAX's preemption service already listens for SIGTERM
-    and coordinates the stop step across hosts (see `should_stop`), and a Python handler would
-    replace its listener.
-
-    Returns:
-      Whether a handler was installed.
-    """
-    if jax.distributed.is_initialized():
-        logging.info("Multi-process run: preemption is coordinated by JAX's preemption service.")
-        return False
-
-    def handler(signum, frame):
-        del frame
-        # Only set a flag: saving from inside a signal handler could interleave with a step.
-        _STOP_REQUESTED.set()
-        logging.warning("Received %s; stopping at the next step.", signal.Signals(signum).name)
-
-    for sig in signals:
-        signal.signal(sig, handler)
-    return True
-
-
-def should_stop(step: int | None = None) -> bool:
-    """Whether the loop should save at `step` and exit (a preemption notice arrived).
-
-    On one process this reports the flag set by `install_preemption_handler`. On a multi-process
-    run it also asks `multihost_utils.reached_preemption_sync_point(step)`: when any host is
-    notified, all hosts agree on a step to stop at and this returns True on every host at that
-    same step. JAX requires that every host call it at every step, starting from the same step.
-
-    Args:
-      step: the current training step; needed on multi-process runs, ignored otherwise.
-    """
-    if _STOP_REQUESTED.is_set():
-        return True
-    if step is None or not jax.distributed.is_initialized():
-        return False
-    try:
-        return multihost_utils.reached_preemption_sync_point(step)
-    except RuntimeError as e:
-        # Raised only when the preemption service is disabled (`jax_enable_preemption_service`).
-        logging.log_first_n(
-            logging.WARNING, "Preemption sync unavailable (%s); relying on SIGTERM only.", 1, e
-        )
-        return False

@@ -6,7 +6,7 @@ questions; what separates them is the per-question difference, not the two means
 `paired_difference` resamples the questions with replacement (Efron & Tibshirani 1993; the
 paired bootstrap of Koehn 2004 for system comparisons) and reports the percentile interval of
 the mean difference, computed from the per-question records the trainer writes
-(`<workdir>/per_question.jsonl`, `run.evaluation.evaluate(per_question=...)`).
+(`<workdir>/per_question.jsonl`, `training.evaluation.evaluate(per_question=...)`).
 
 Legend: Q questions, R resamples.
 """

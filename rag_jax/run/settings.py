@@ -48,7 +48,7 @@ SCHEMA: dict[str, dict[str, tuple]] = {
         "answer_pad_multiple": (
             8,
             "a training batch's labels: its longest, rounded up to this (0 = always T); exact, "
-            "see training.inputs.label_width",
+            "see model_inputs.label_width",
         ),
         "target": ("first", "which answer to train on: first | sample"),
         # Files.
@@ -389,7 +389,7 @@ SCHEMA: dict[str, dict[str, tuple]] = {
         "answer_memo": (
             False,
             "greedy RAG-Sequence thorough decoding by a causal generator from memos of each "
-            "prompt's greedy answer and likelihoods (run.memo_decoding), kept beside "
+            "prompt's greedy answer and likelihoods (training.memo_decoding), kept beside "
             "train.answer_memo's and shared by every evaluation of the same generator",
         ),
     },

@@ -238,7 +238,7 @@ def _check_paths(config: ml_collections.ConfigDict) -> None:
 
 
 def _check_answer_memo(config: ml_collections.ConfigDict) -> None:
-    """`eval.answer_memo` decodes what `run.memo_decoding` memoises; refused at start-up, not
+    """`eval.answer_memo` decodes what `training.memo_decoding` memoises; refused at start-up, not
     after training (the causal generator is checked when the memo is built)."""
     if not (config.eval.enabled and config.eval.answer_memo):
         return

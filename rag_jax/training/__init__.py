@@ -1,1 +1,2 @@
-"""The trainer: its loop, step, batches, warm starts and inputs."""
+"""The trainer: the experiment it builds, its loop, step, batches, memos and warm starts, and the
+held-out evaluation."""

@@ -19,11 +19,11 @@ import numpy as np
 
 from rag_jax import rag
 from rag_jax.devices import distributed
+from rag_jax.model_inputs import answer_labels, context_width, label_width, question_tokens
 from rag_jax.retrieval import encode
 from rag_jax.retrieval.retriever import ClosedBook, Retrieved
 from rag_jax.run import data, metrics
 from rag_jax.training import optim
-from rag_jax.training.inputs import answer_labels, context_width, label_width, question_tokens
 from rag_jax.training.memo import AnswerMemo
 from rag_jax.training.step import candidate_count
 

@@ -51,10 +51,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from rag_jax.devices.progress import Eta
 from rag_jax.models import bert
 from rag_jax.retrieval import encode
 from rag_jax.run import checkpoints
-from rag_jax.run.progress import Eta
 from rag_jax.training.optim import make_optimizer, warm_start_settings
 from rag_jax.training.step import init_state, make_step
 

@@ -28,16 +28,16 @@ import ml_collections
 import numpy as np
 import tqdm
 
-from rag_jax.devices import device_memory, distributed, sharding
+from rag_jax.devices import device_memory, distributed, preemption, sharding
 from rag_jax.io import bundle
 from rag_jax.models import flash
 from rag_jax.retrieval import files
 from rag_jax.retrieval.device_index import DeviceIndex
 from rag_jax.retrieval.retriever import Retriever
-from rag_jax.run import checkpoints, experiment, metrics, settings, validation
-from rag_jax.run.evaluation import evaluate, summary_metrics
-from rag_jax.training import refresh
+from rag_jax.run import checkpoints, metrics, settings, validation
+from rag_jax.training import experiment, refresh
 from rag_jax.training.batcher import Batcher
+from rag_jax.training.evaluation import evaluate, summary_metrics
 from rag_jax.training.optim import make_optimizer
 from rag_jax.training.step import (
     TrainState,
@@ -278,12 +278,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir) -> dict:
     distributed.maybe_initialize_distributed()
     # First, before any work: a SIGTERM during the store build, the encoding or a warm start is a
     # preemption too, not an exit with nothing said.
-    checkpoints.install_preemption_handler()
+    preemption.install_preemption_handler()
     mesh = device_mesh(config)
     validation.validate(config, mesh.size)
     try:
         exp = experiment.build(config, workdir)
-    except checkpoints.Preempted as stopped:
+    except preemption.Preempted as stopped:
         print(f"preempted before training: {stopped}", flush=True)
         return {"preempted": str(stopped), "steps": 0}
     tc, variant = config.train, config.rag.variant
@@ -333,14 +333,14 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir) -> dict:
     bar = tqdm.tqdm(total=tc.steps, initial=start, desc="train", disable=jax.process_index() != 0)
     step, compiled = start, {}  # (context width, label width) -> the train step compiled for it
     while step < tc.steps:
-        if checkpoints.should_stop(step):
+        if preemption.should_stop(step):
             ckpt.save(step, state, config, force=True)
             batcher.save_memo()
             print(f"preempted: saved step {step}", flush=True)
             break
         batch = batcher.train_batch(state, step, retrievers.at(step, state.params))
         inputs = (distributed.shard_batch(mesh, batch.arrays), batch.retrieval)
-        # training.inputs.context_width and label_width
+        # model_inputs.context_width and label_width
         contexts = batch.arrays.get("context_input_ids")  # none with an answer memo
         width = (0 if contexts is None else contexts.shape[-1], batch.arrays["labels"].shape[-1])
         # Pallas kernels (model.attention_impl "flash" or "splash") are split over the mesh they are

@@ -111,7 +111,7 @@ def pair_logprobs(rag_cfg, generator_params, context_ids, context_mask, labels) 
 
 class MemoFile:
     """1-D arrays by 20-byte key, kept in one `.npz` file named by and holding a fingerprint:
-    the file handling `AnswerMemo` and `run.memo_decoding.GreedyMemo` (and its scores) share.
+    the file handling `AnswerMemo` and `training.memo_decoding.GreedyMemo` (and its scores) share.
 
     Read at construction (a file of another fingerprint is refused, named); `save()` writes it
     atomically, merged with what another memo object or process wrote to it meanwhile.
@@ -222,7 +222,7 @@ class AnswerMemo(MemoFile):
           generator_params: the frozen generator's parameters (those of the fingerprint).
           context_ids: [B * N, S] prompts (row b * N + n), as the joint step reads them.
           context_mask: [B * N, S].
-          labels: [B, T] answer labels (`training.inputs.answer_labels`).
+          labels: [B, T] answer labels (`model_inputs.answer_labels`).
         """
         context_ids, context_mask = np.asarray(context_ids), np.asarray(context_mask)
         labels = np.asarray(labels)
@@ -290,7 +290,7 @@ class AnswerMemo(MemoFile):
           prompts: M arrays [S_m] int, each prompt's real tokens (a `context_tokens` row where
             its mask is 1).
           answers: M label rows [T_m] int as the training batches hold them
-            (`training.inputs.answer_labels` rows: answer, EOS, then pads or the ignore index).
+            (`model_inputs.answer_labels` rows: answer, EOS, then pads or the ignore index).
           progress: called every `PROGRESS_EVERY_S` seconds and at the end with a line (pairs
             done, pairs/s, time left); None: silent.
           save_every_s: seconds between saves.

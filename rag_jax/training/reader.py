@@ -17,9 +17,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from rag_jax import rag
+from rag_jax.devices.progress import Eta
+from rag_jax.model_inputs import answer_labels, context_width
 from rag_jax.run import checkpoints
-from rag_jax.run.progress import Eta
-from rag_jax.training.inputs import answer_labels, context_width
 from rag_jax.training.optim import make_optimizer, warm_start_settings
 from rag_jax.training.step import init_state, make_step
 

@@ -20,10 +20,10 @@ import flax.serialization
 import jax
 
 from rag_jax.retrieval import encode, files
-from rag_jax.retrieval.build import workdir_store
 from rag_jax.retrieval.corpus import Passage, corpus_files, read_corpus
 from rag_jax.retrieval.tokenizer_id import tokenizer_fingerprint
 from rag_jax.run import checkpoints, data, settings, synthetic
+from rag_jax.run.index_build import workdir_store
 from rag_jax.training import ict, reader, salient
 
 # The reader warm start's world: another seed, so other entities and independently drawn facts.

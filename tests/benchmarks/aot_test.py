@@ -13,7 +13,8 @@ import pytest
 from benchmarks import aot, hbm_fit, hlo, tpu_topology
 from experiments.configs import nq
 from rag_jax.devices import sharding
-from rag_jax.run import experiment, model_setup
+from rag_jax.run import model_setup
+from rag_jax.training import experiment
 from rag_jax.training.batcher import Batcher, batch_shapes
 from tiny_runs import first_batch, tiny_config
 
@@ -274,3 +275,35 @@ def test_an_index_of_more_rows_than_int32_ids_is_refused():
         tpu_topology.PlanError, match=r"index_rows=2147483648 but passage ids are int32"
     ):
         aot.plan(config)
+
+
+@pytest.mark.parametrize("largest", [False, True])
+def test_each_compile_is_logged_once_and_again_with_its_largest_batch(monkeypatch, largest):
+    """`experiments/tpu_compile.py` printed every row twice; a row is logged again only when the
+    largest-batch search adds to it."""
+    mesh = sharding.data_mesh(jax.devices()[:4])
+    target = tpu_topology.Target(
+        "v5e:2x2", mesh, "TPU v5 lite", 1, 16 << 30, {"tflops": 197, "gbps": 819, "source": "test"}
+    )
+    monkeypatch.setattr(aot, "target", lambda name: target)
+    monkeypatch.setattr(
+        aot, "plan", lambda config: aot.Plan(config, None, None, None, {}, None, {})
+    )
+
+    def fake_row(p, t, batch, in_step, detail=True, hlo_dir=None):
+        used = {"total": batch << 27}  # 128 MiB a question: fits up to B = 128 of 16 GiB
+        return {"program": "train_step", "batch": batch, "per_chip_batch": batch // t.chips,
+                "index": "in_step" if in_step else "host", "remat": False,
+                "param_sharding": "replicated", "fits": batch <= 128, "compile_s": 0.0,
+                "memory": used}  # fmt: skip
+
+    monkeypatch.setattr(aot, "train_row", fake_row)
+    lines = []
+    config = tiny_config(**{"train.batch_size": 8})
+    aot.run(config, "v5e:2x2", layouts=["replicated"], remats=[False], paths=["host", "in_step"],
+            largest=largest, generate=False, log=lines.append, largest_tries=3)  # fmt: skip
+    rows = [line for line in lines if line.startswith("train_step")]
+    if not largest:
+        assert len(rows) == 2 and "largest" not in " ".join(rows), lines
+    else:  # each row, then the same row with its largest batch
+        assert len(rows) == 4 and all("largest B=" in r for r in rows[1::2]), lines

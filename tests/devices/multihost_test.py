@@ -27,11 +27,11 @@ from jax.sharding import PartitionSpec as P
 from experiments.configs import default as default_config
 from rag_jax import rag
 from rag_jax.devices import distributed, sharding
+from rag_jax.model_inputs import question_tokens
 from rag_jax.retrieval import index
 from rag_jax.retrieval.device_index import DeviceIndex
 from rag_jax.run import checkpoints, data
 from rag_jax.training import loop
-from rag_jax.training.inputs import question_tokens
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 

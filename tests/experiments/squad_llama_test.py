@@ -14,8 +14,8 @@ import hf_fixtures
 from rag_jax import rag
 from rag_jax.io import bundle, hf, hf_export, hf_llama
 from rag_jax.retrieval.retriever import ClosedBook
-from rag_jax.run import experiment, model_setup, validation
-from rag_jax.training import loop
+from rag_jax.run import model_setup, validation
+from rag_jax.training import experiment, loop
 from squad_subset import squad_subset
 
 

@@ -15,8 +15,8 @@ import pytest
 import squad_study
 from rag_jax import rag_math
 from rag_jax.io import hf_llama
-from rag_jax.run import evaluation, experiment, paired, settings, validation
-from rag_jax.training import loop
+from rag_jax.run import paired, settings, validation
+from rag_jax.training import evaluation, experiment, loop
 from squad_subset import squad_subset
 
 

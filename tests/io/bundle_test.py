@@ -22,8 +22,8 @@ from rag_jax.retrieval import files
 from rag_jax.retrieval.corpus import Passage
 from rag_jax.retrieval.retriever import Retriever
 from rag_jax.retrieval.scann_index import ScannIndex
-from rag_jax.run import data, evaluation, synthetic
-from rag_jax.training import loop
+from rag_jax.run import data, synthetic
+from rag_jax.training import evaluation, loop
 from tiny_runs import tiny_config
 
 
@@ -544,7 +544,7 @@ def test_a_bundle_of_an_earlier_checkpoint_step(tiny_trained_run, tmp_path):
 def test_a_generator_with_a_fixed_encoder_round_trips_its_own_embedding(tmp_path):
     """`generator_frozen_encoder_layers`: the encoder's own embedding (`encoder/embed_tokens`)
     is read back by the shapes of the saved config, apart from the shared table that trained."""
-    from rag_jax.run import experiment
+    from rag_jax.training import experiment
 
     freeze = r"^(passage_encoder/|generator/final_logits_bias|generator/encoder/)"
     overrides = {"warm_start.method": "none", "warm_start.reader_steps": 0,

@@ -17,8 +17,8 @@ from safetensors import safe_open
 import hf_fixtures
 from rag_jax import rag
 from rag_jax.io import bundle, hf
+from rag_jax.model_inputs import answer_labels, question_tokens
 from rag_jax.models import bart, bert
-from rag_jax.training.inputs import answer_labels, question_tokens
 
 _CLASSES = {
     "sequence": transformers.RagSequenceForGeneration,

@@ -22,8 +22,8 @@ import hf_fixtures
 from rag_jax.io import hf
 from rag_jax.models import bert
 from rag_jax.retrieval import encode, vectors
-from rag_jax.retrieval.build import build_index
 from rag_jax.retrieval.store import PassageStore
+from rag_jax.run.index_build import build_index
 
 MAX_LENGTH = 40
 BUCKETS = (16, 32, 40)

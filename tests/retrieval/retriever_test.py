@@ -124,13 +124,13 @@ def test_a_stopped_encoding_saves_its_windows_and_the_next_resumes_after_them(
     stops = iter([False, False, True])
     monkeypatch.setattr(retriever.encode, "encode_passages", fake_encode_passages)
     monkeypatch.setattr(retriever.encode, "encoder_fingerprint", lambda cfg, params: str(params))
-    monkeypatch.setattr(retriever.checkpoints, "should_stop", lambda: next(stops, False))
+    monkeypatch.setattr(retriever.preemption, "should_stop", lambda: next(stops, False))
     monkeypatch.setattr(retriever, "ENCODE_WINDOW", 1)
     cfg = type("Cfg", (), {"dtype": "float32"})()
     encoder = retriever.PassageEncoder(cfg, {"shift": 0.5}, tokenizer, 16, "single")
     partial = tmp_path / "vectors.partial.npz"
 
-    with pytest.raises(retriever.checkpoints.Preempted, match=rf"2 of 3 .* saved in {partial}"):
+    with pytest.raises(retriever.preemption.Preempted, match=rf"2 of 3 .* saved in {partial}"):
         retriever.encode_store(old, encoder, partial)
     assert encoded == ["T0", "T1"] and partial.is_file()
     resumed = retriever.encode_store(old, encoder, partial)
@@ -139,7 +139,7 @@ def test_a_stopped_encoding_saves_its_windows_and_the_next_resumes_after_them(
     assert resumed.tobytes() == straight.tobytes() and resumed.shape == (3, D)
 
     stops = iter([False, True])
-    with pytest.raises(retriever.checkpoints.Preempted, match="1 of 3"):
+    with pytest.raises(retriever.preemption.Preempted, match="1 of 3"):
         retriever.encode_store(old, encoder, partial)
     monkeypatch.setattr(retriever, "ENCODE_WINDOW", 2)  # other batches: not those rows' vectors
     encoded.clear()

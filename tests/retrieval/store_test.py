@@ -15,7 +15,6 @@ from tokenizers import AddedToken, ByteLevelBPETokenizer, normalizers
 from transformers import AutoTokenizer, BartTokenizer, RagRetriever
 
 from rag_jax.retrieval import corpus
-from rag_jax.retrieval.build import workdir_store
 from rag_jax.retrieval.corpus import Passage
 from rag_jax.retrieval.store import (
     PassageStore,
@@ -24,6 +23,7 @@ from rag_jax.retrieval.store import (
     context_string,
     tokenizer_fingerprint,
 )
+from rag_jax.run.index_build import workdir_store
 
 # Titles and texts that stress the string handling and the cut between passage and question.
 TRICKY_TITLES = [

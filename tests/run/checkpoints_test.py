@@ -7,7 +7,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import threading
 import time
 
 import jax
@@ -255,17 +254,18 @@ _LOOP = textwrap.dedent(
     """
     import sys, time
     import jax.numpy as jnp
+    from rag_jax.devices import preemption
     from rag_jax.run import checkpoints
 
     workdir, max_steps = sys.argv[1], int(sys.argv[2])
-    checkpoints.install_preemption_handler()
+    preemption.install_preemption_handler()
     ckpt = checkpoints.Checkpointer(workdir, save_interval_steps=1000)
     init_fn = lambda: {"w": jnp.zeros(3), "step": jnp.int32(0)}
     state, resumed = ckpt.restore_or_init(init_fn)
     step = resumed or 0
     print(f"resumed {resumed} w {float(state['w'][0])}", flush=True)
     while step < max_steps:
-        if checkpoints.should_stop(step):
+        if preemption.should_stop(step):
             ckpt.save(step, state, {"max_steps": max_steps}, force=True)
             print(f"saved {step}", flush=True)
             break
@@ -319,30 +319,6 @@ def test_sigterm_saves_final_checkpoint_and_restart_resumes(tmp_path):
     rerun_lines = rerun.stdout.splitlines()
     assert rerun_lines[0] == f"resumed {final_step} w {float(final_step)}"
     assert rerun_lines[1:] == [f"step {final_step + 1}", f"step {final_step + 2}"]
-
-
-def test_install_preemption_handler_sets_flag(monkeypatch):
-    previous = signal.getsignal(signal.SIGUSR1)
-    monkeypatch.setattr(checkpoints, "_STOP_REQUESTED", threading.Event())
-    try:
-        assert checkpoints.install_preemption_handler(signals=(signal.SIGUSR1,))
-        assert not checkpoints.should_stop(3)
-        os.kill(os.getpid(), signal.SIGUSR1)
-        assert checkpoints.should_stop(3) and checkpoints.should_stop()
-    finally:
-        signal.signal(signal.SIGUSR1, previous)
-
-
-def test_multi_process_stop_follows_the_preemption_sync_point(monkeypatch):
-    monkeypatch.setattr(checkpoints, "_STOP_REQUESTED", threading.Event())
-    monkeypatch.setattr(jax.distributed, "is_initialized", lambda: True)
-    monkeypatch.setattr(
-        checkpoints.multihost_utils, "reached_preemption_sync_point", lambda step: step == 7
-    )
-    # JAX's preemption service owns SIGTERM on multi-process runs.
-    assert not checkpoints.install_preemption_handler()
-    assert [checkpoints.should_stop(step) for step in (5, 6, 7)] == [False, False, True]
-    assert not checkpoints.should_stop()  # Without a step there is no sync point to ask about.
 
 
 def test_checkpoint_dir_keeps_gs_urls_whole(monkeypatch):

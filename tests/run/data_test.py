@@ -461,7 +461,7 @@ def test_eval_batches_by_hand():
 def test_max_train_and_max_eval_take_the_first_n_or_a_seeded_sample():
     import ml_collections
 
-    from rag_jax.run import evaluation, experiment
+    from rag_jax.training import evaluation, experiment
 
     examples = list(range(100))
     first = ml_collections.ConfigDict({"sample_seed": -1})

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from rag_jax.devices import device_memory
-from rag_jax.run import checkpoints, experiment
-from rag_jax.training import loop
+from rag_jax.run import checkpoints
+from rag_jax.training import experiment, loop
 from tiny_runs import _flat, tiny_config
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]

@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 
 from rag_jax import rag
-from rag_jax.devices import distributed
+from rag_jax.devices import distributed, preemption
 from rag_jax.io import bundle
 from rag_jax.retrieval import encode, retriever
-from rag_jax.run import checkpoints, evaluation, experiment, synthetic, validation
-from rag_jax.training import loop, refresh
+from rag_jax.run import synthetic, validation
+from rag_jax.training import evaluation, experiment, loop, refresh
 from rag_jax.training.batcher import Batcher
 from tiny_runs import _flat, first_batch, tiny_config
 
@@ -53,7 +53,7 @@ def test_refresh_trains_the_passage_encoder_and_resumes_bitwise(tmp_path, monkey
     # The same run, stopped before step 4 (a refresh pending: started at 2, serving from 3; and
     # the one of step 4 not yet started), then resumed in a fresh call.
     interrupted = tmp_path / "interrupted"
-    monkeypatch.setattr(checkpoints, "should_stop", lambda step=None: step == 4)
+    monkeypatch.setattr(preemption, "should_stop", lambda step=None: step == 4)
     assert loop.train_and_evaluate(config, interrupted)["steps"] == 4
     monkeypatch.undo()
     assert loop.train_and_evaluate(config, interrupted)["steps"] == 7

@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh
 
+from rag_jax.devices import preemption
 from rag_jax.retrieval import retriever
 from rag_jax.retrieval.device_index import DeviceIndex
 from rag_jax.retrieval.index import ExactIndex
-from rag_jax.run import checkpoints, experiment
-from rag_jax.training import loop
+from rag_jax.training import experiment, loop
 from rag_jax.training.batcher import Batcher
 from tiny_runs import _flat, tiny_config
 
@@ -123,7 +123,7 @@ def test_preempted_in_step_search_resumes_bitwise(tmp_path, monkeypatch):
     loop.train_and_evaluate(config, tmp_path / "straight")
     _, straight, _ = loop.restore(tmp_path / "straight")
 
-    monkeypatch.setattr(checkpoints, "_STOP_REQUESTED", threading.Event())
+    monkeypatch.setattr(preemption, "_STOP_REQUESTED", threading.Event())
     previous = signal.getsignal(signal.SIGTERM)
     original = Batcher.train_batch
     stop_at = 3
@@ -139,7 +139,7 @@ def test_preempted_in_step_search_resumes_bitwise(tmp_path, monkeypatch):
     finally:
         signal.signal(signal.SIGTERM, previous)
     monkeypatch.setattr(Batcher, "train_batch", original)
-    checkpoints._STOP_REQUESTED.clear()
+    preemption._STOP_REQUESTED.clear()
     assert loop.train_and_evaluate(config, tmp_path / "resumed")["steps"] == STEPS
     _, resumed, _ = loop.restore(tmp_path / "resumed")
     for name in ("params", "opt_state", "next_doc_ids"):

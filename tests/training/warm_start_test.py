@@ -17,7 +17,7 @@ from rag_jax.training import reader, warm_start
 
 @pytest.fixture(scope="module")
 def reader_exp(tmp_path_factory):
-    from rag_jax.run import experiment
+    from rag_jax.training import experiment
     from tiny_runs import tiny_config
 
     config = tiny_config(**{"warm_start.reader_steps": 0})
@@ -68,7 +68,7 @@ def test_reader_warm_start_learns_to_read_deterministically(reader_exp):
 
 
 def test_experiment_reads_another_world_and_caches_it(tmp_path, reader_exp, capsys):
-    from rag_jax.run import experiment
+    from rag_jax.training import experiment
     from tiny_runs import tiny_config
 
     config = tiny_config(**{"warm_start.cache_dir": str(tmp_path / "cache")})
@@ -132,7 +132,7 @@ def _world_files(exp, directory):
 
 
 def test_reader_on_files_learns_to_read_and_the_oracle_says_so(tmp_path, reader_exp, capsys):
-    from rag_jax.run import evaluation, experiment
+    from rag_jax.training import evaluation, experiment
     from tiny_runs import tiny_config
 
     questions, passages = _world_files(reader_exp, tmp_path / "files")
@@ -206,7 +206,7 @@ def test_reader_on_files_learns_to_read_and_the_oracle_says_so(tmp_path, reader_
 def test_questions_whose_gold_passage_is_not_in_the_corpus_are_refused(reader_exp):
     """`experiment.build` checks every question's gold ids against the store before any warm
     start: a missing one would count as a retrieval miss no model could avoid."""
-    from rag_jax.run import experiment
+    from rag_jax.training import experiment
 
     exp = reader_exp
     stray = data.Example("q?", ("a",), "odd", ("no_such_passage",))

@@ -21,12 +21,12 @@ import numpy as np
 
 from rag_jax import rag, rag_math
 from rag_jax.devices import distributed, sharding
+from rag_jax.devices.progress import Eta
+from rag_jax.model_inputs import context_width
 from rag_jax.retrieval.retriever import ClosedBook
-from rag_jax.run import data, experiment, memo_decoding, metrics
-from rag_jax.run.progress import Eta
-from rag_jax.training import memo
+from rag_jax.run import data, metrics
+from rag_jax.training import experiment, memo, memo_decoding
 from rag_jax.training.batcher import Batcher, memo_directory
-from rag_jax.training.inputs import context_width
 
 
 def written_answers(tokenizer, answers):

@@ -6,8 +6,8 @@ import pytest
 import transformers
 
 from rag_jax import rag
+from rag_jax.model_inputs import answer_labels
 from rag_jax.models import bart, bert, llama
-from rag_jax.training.inputs import answer_labels
 
 WORDS = ["one", "two", "three", "four", "five", "six", "seven"]
 PAD, BOS, EOS, START = 1, 0, 2, 2  # BART's ids; the words are 5..11

@@ -8,8 +8,9 @@ import transformers
 
 from rag_jax import rag
 from rag_jax.devices import sharding
-from rag_jax.run import evaluation, experiment, model_setup, settings, validation
-from rag_jax.training.inputs import question_tokens
+from rag_jax.model_inputs import question_tokens
+from rag_jax.run import model_setup, settings, validation
+from rag_jax.training import evaluation, experiment
 from tiny_runs import tiny_config
 
 
@@ -98,10 +99,10 @@ def test_a_perfect_copy_scores_em_1_with_an_uncased_wordpiece_generator(tmp_path
     import types
 
     import hf_fixtures
+    from rag_jax.model_inputs import answer_labels
     from rag_jax.models import bart, bert
     from rag_jax.retrieval.store import PassageStore
     from rag_jax.run import data, metrics
-    from rag_jax.training.inputs import answer_labels
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(hf_fixtures.minilm_path()))
     passages = [

@@ -9,10 +9,10 @@ import pytest
 
 from rag_jax import rag
 from rag_jax.devices import sharding
-from rag_jax.run import experiment, validation
-from rag_jax.training import loop
+from rag_jax.model_inputs import label_width
+from rag_jax.run import validation
+from rag_jax.training import experiment, loop
 from rag_jax.training.batcher import Batcher
-from rag_jax.training.inputs import label_width
 from tiny_runs import _flat, first_batch, tiny_config
 
 PAD = 1

@@ -7,10 +7,10 @@ import pytest
 
 from rag_jax import rag
 from rag_jax.devices import sharding
-from rag_jax.run import evaluation, experiment, validation
-from rag_jax.training import loop
+from rag_jax.model_inputs import context_width
+from rag_jax.run import validation
+from rag_jax.training import evaluation, experiment, loop
 from rag_jax.training.batcher import Batcher
-from rag_jax.training.inputs import context_width
 from tiny_runs import _flat, first_batch, tiny_config
 
 

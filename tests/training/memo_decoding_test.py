@@ -8,8 +8,7 @@ import pytest
 from transformers import BertTokenizer
 
 from rag_jax import rag
-from rag_jax.run import memo_decoding
-from rag_jax.training import memo
+from rag_jax.training import memo, memo_decoding
 from tests.training.causal_step_test import _setup
 
 B, N, S = 6, 3, 12

@@ -19,7 +19,7 @@ Questions from files (`config.data.source = "files"`): `eval_path` holds the hel
 when it is empty, whole articles of `train_path` are held out instead (`articles.split_by_title`, a
 fraction `eval_fraction` of the gold passages' titles), so no article is in both splits.
 
-Passages: by default `config.data.corpus_path` is stored (`retrieval.build.workdir_store`) and
+Passages: by default `config.data.corpus_path` is stored (`run.index_build.workdir_store`) and
 encoded with the passage encoder into an index saved in `<workdir>/index`, which a restore or a
 sibling run with the same passage encoder reuses (`retrieval.retriever.build`).
 `config.retrieval.index_dir` names a folder written by `experiments/build_index.py` instead (a
@@ -40,12 +40,12 @@ from rag_jax import rag
 from rag_jax.devices import sharding
 from rag_jax.models import bert
 from rag_jax.retrieval import retriever as retrieval
-from rag_jax.retrieval.build import load_index_dir, workdir_store
 from rag_jax.retrieval.corpus import Passage, read_corpus
 from rag_jax.retrieval.device_index import DeviceIndex
 from rag_jax.retrieval.retriever import ClosedBook, Retriever
 from rag_jax.retrieval.store import PassageStore
 from rag_jax.run import articles, data, model_setup, settings, synthetic
+from rag_jax.run.index_build import load_index_dir, workdir_store
 from rag_jax.training import warm_start
 
 

@@ -15,29 +15,20 @@ import shutil
 import socket
 
 from rag_jax.io import hf
-from rag_jax.retrieval import corpus, encode, index, scann_index
+from rag_jax.retrieval import corpus, encode, index, ingest, scann_index
 from rag_jax.retrieval.encode import DEFAULT_MAX_LENGTH, encode_corpus
 from rag_jax.retrieval.store import PassageStore
 from rag_jax.retrieval.vectors import load_vectors
 
 
-def _open_or_build_store(corpus_path, tokenizer, store_dir: pathlib.Path, fields, overwrite):
-    """The passage store of `corpus_path` in `store_dir`, reused when it matches the file."""
-    if (store_dir / "manifest.json").is_file():
-        store = PassageStore.open(store_dir)
-        checksum = corpus.corpus_checksum(corpus.read_passages(corpus_path, fields))
-        stale = store.differences(checksum, tokenizer)
-        if not stale:
-            return store
-        if not overwrite:
-            raise ValueError(
-                f"{store_dir} was built from another corpus or tokenizer (differs: {stale}); "
-                "pass overwrite=True to rebuild it"
-            )
-    if store_dir.exists():
-        # No manifest: a build that was interrupted (or one being replaced); start it again.
-        shutil.rmtree(store_dir)
-    return PassageStore.build(corpus.read_passages(corpus_path, fields), tokenizer, store_dir)
+def _open_or_build_store(
+    corpus_path, tokenizer, store_dir: pathlib.Path, fields, overwrite, workers=None
+):
+    """The passage store of `corpus_path` in `store_dir`, reused when it matches the file, a
+    `.tsv` ingested in parallel and resumably (`retrieval.ingest.open_or_build`)."""
+    return ingest.open_or_build(
+        corpus_path, tokenizer, store_dir, fields=fields, overwrite=overwrite, workers=workers
+    )
 
 
 def load_passage_encoder(path, compute_dtype: str = "float32"):
@@ -78,6 +69,7 @@ def build_index(
     normalize: bool = False,
     overwrite: bool = False,
     progress: bool = True,
+    workers: int | None = None,
 ) -> dict:
     """Corpus file -> `out_dir/passages` (store), `out_dir/vectors`, `out_dir/index`.
 
@@ -98,6 +90,7 @@ def build_index(
         `model.normalize_embeddings` say ([CLS] for DPR; mean and normalised for MiniLM).
       overwrite: replace a store or vectors of another corpus/encoder instead of refusing.
       progress: show the encoding progress bar.
+      workers: processes tokenising a `.tsv` corpus (`retrieval.ingest`; default all cores).
 
     Returns:
       {"passages", "vectors", "index": paths; "count": C, "dim": D, "encoder_fingerprint",
@@ -108,7 +101,7 @@ def build_index(
     out_dir = pathlib.Path(out_dir)
     generator_tokenizer = hf.load_tokenizer(generator_tokenizer_path)
     store = _open_or_build_store(
-        corpus_path, generator_tokenizer, out_dir / "passages", fields, overwrite
+        corpus_path, generator_tokenizer, out_dir / "passages", fields, overwrite, workers
     )
     cfg, params = load_passage_encoder(encoder_path, compute_dtype)
     cfg = cfg.replace(pooling=pooling, normalize=normalize)

@@ -1,6 +1,6 @@
-"""run.progress: the lines long phases print, with their rate and the time left."""
+"""devices.progress: the lines long phases print, with their rate and the time left."""
 
-from rag_jax.run import progress
+from rag_jax.devices import progress
 
 
 def test_durations_read_as_people_read_them():
