@@ -205,7 +205,9 @@ def run(args) -> dict:
     del model
     servers = {
         "rag_jax": [str(REPO / "experiments" / "serve.py"), "--bundle", str(bundle_dir)]
-        + [f"--max_batch={args.max_batch}", f"--max_wait_ms={args.max_wait_ms}"],
+        + [f"--max_batch={args.max_batch}", f"--max_wait_ms={args.max_wait_ms}"]
+        # Every client is 127.0.0.1: one address's share of the connections must hold them all.
+        + [f"--max_connections_per_client={max(args.clients, 64)}"],
         "transformers": [__file__, "--hf_server", str(tmp / "hf"), f"--threads={args.threads}"],
     }
     # Our server's compiled programs: in a cache of this run's own with --cold (compiled from

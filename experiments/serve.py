@@ -51,6 +51,9 @@ _HOSTS = flags.DEFINE_multi_string(
 )
 _KEEP_ALIVE = flags.DEFINE_float("keep_alive_s", 5.0, "idle connections closed after (s)")
 _CONNECTIONS = flags.DEFINE_integer("max_connections", 256, "open connections (503 beyond)")
+_PER_CLIENT = flags.DEFINE_integer(
+    "max_connections_per_client", 0, "open connections of one address; 0 = max_connections / 4"
+)
 _HEADER_TIMEOUT = flags.DEFINE_float("header_timeout_s", 10.0, "request head deadline (s)")
 _BODY_TIMEOUT = flags.DEFINE_float("body_timeout_s", 30.0, "request body deadline (s)")
 
@@ -91,6 +94,7 @@ def main(argv):
             allowed_hosts=tuple(_HOSTS.value),
             keep_alive_s=_KEEP_ALIVE.value,
             max_connections=_CONNECTIONS.value,
+            max_connections_per_client=_PER_CLIENT.value,
             header_timeout_s=_HEADER_TIMEOUT.value,
             body_timeout_s=_BODY_TIMEOUT.value,
         ),

@@ -62,10 +62,20 @@ class ServerConfig:
     allowed_hosts: tuple[str, ...] = ()
     keep_alive_s: float = 5.0  # an idle kept-alive connection is closed after this long
     max_connections: int = 256  # open connections beyond this answer 503 (uvicorn's limit)
+    # Open connections of one client address (an IPv6 /64) beyond this are closed on arrival,
+    # unread: one address sending request heads slowly holds this share of `max_connections`,
+    # not all of it. 0 = a quarter of max_connections (`connections_per_client`). Behind a
+    # proxy every client has the proxy's address: raise it to max_connections there.
+    max_connections_per_client: int = 0
     # A connection is closed when a request's head is not whole this long after the connection
     # opened (or after its first byte, following a keep-alive wait): slowloris, or nothing sent.
     header_timeout_s: float = 10.0
     body_timeout_s: float = 30.0  # ... or its body this long after the head (a trickled body)
+
+    @property
+    def connections_per_client(self) -> int:
+        """`max_connections_per_client`, its 0 read as a quarter of `max_connections`."""
+        return self.max_connections_per_client or max(1, self.max_connections // 4)
 
 
 class AnswerRequest(BaseModel):

@@ -42,11 +42,16 @@ without a request. A warmed setting's probe answer with a non-finite number keep
 never compiles: a batch runs at the cheapest (bucket, width) shape compiled that holds it
 (`state.ServerState`). The batcher prepares the next batch (tokens, question vectors, passages,
 contexts) while the current one generates; a failing merged batch is answered again one request
-at a time (`batching.Batcher`), so one client's request never fails another's; a client that
-disconnects before its batch starts is dropped. A slow client cannot hold a connection: a
+at a time (`batching.Batcher`), so one client's request never fails another's; a client whose
+connection is lost (reset) before its batch starts is dropped (one that only closed its side,
+FIN, may be waiting for the answer: a half-close). A slow client cannot hold a connection: a
 request head not whole within `header_timeout_s` of the connection's opening (or of its first
 byte after a keep-alive wait), or a body not whole within `body_timeout_s` after it, closes the
 connection (`connections.TimedH11Protocol`); an idle kept-alive one closes after `keep_alive_s`.
+One client address holds at most `connections_per_client` of the `max_connections`: beyond, a
+connection is closed on arrival, so slow clients from one address cannot make every other
+client's request answer 503. A client that half-closes after its request still reads the
+response; the connection closes after it.
 """
 
 import asyncio
@@ -373,17 +378,30 @@ def uvicorn_config(app, config: ServerConfig):
     """uvicorn's settings for `app` (made by `make_app`): idle kept-alive connections closed
     after `keep_alive_s`, request heads and bodies that arrive too slowly after
     `header_timeout_s` / `body_timeout_s` (counted in the app's metrics), at most
-    `max_connections` open (503 beyond), request heads of at most 64 KiB.
+    `max_connections` open (503 beyond), of which one client address holds at most
+    `connections_per_client` (closed on arrival beyond, counted too), request heads of at most
+    64 KiB.
 
     Raises:
-      ValueError: a timeout that is not a positive number of seconds (named).
+      ValueError: a timeout that is not a positive number of seconds, or a negative
+        `max_connections_per_client` (named).
     """
     import uvicorn  # the [serve] extra
 
     from rag_jax.serving import connections  # uvicorn's protocol: the [serve] extra too
 
+    if config.max_connections_per_client < 0:
+        raise ValueError(
+            "max_connections_per_client must be >= 0 (0: a quarter of max_connections), got "
+            f"{config.max_connections_per_client}"
+        )
+    counts = app.state.server.metrics
     http = connections.protocol(
-        config.header_timeout_s, config.body_timeout_s, app.state.server.metrics.timed_out
+        config.header_timeout_s,
+        config.body_timeout_s,
+        counts.timed_out,
+        max_per_client=config.connections_per_client,
+        on_refused=counts.refused,
     )
     return uvicorn.Config(
         app,

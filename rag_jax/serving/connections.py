@@ -1,6 +1,8 @@
-"""Deadlines on what a client sends, and one framing per request: uvicorn's h11 protocol, closing
-a connection whose request head or body arrives too slowly, or whose request gives two framings;
-and the server's listening socket, bound before anything heavy is loaded (`bind`).
+"""Deadlines on what a client sends, one framing per request, a share of the connections per
+client, and answers to clients that half-close: uvicorn's h11 protocol, closing a connection
+whose request head or body arrives too slowly, whose request gives two framings, or whose client
+address holds its share already; and the server's listening socket, bound before anything heavy
+is loaded (`bind`).
 
 uvicorn times out only an idle kept-alive connection (`timeout_keep_alive`, armed when a
 response ends). A client that opens a connection and sends nothing, sends its request head a
@@ -25,10 +27,26 @@ A request with both Content-Length and Transfer-Encoding is answered 400 and its
 closed (RFC 9112 section 6.3): h11 reads such a body by its chunks, and a proxy in front that
 reads it by its length would take the bytes after the chunks for the next request, or the
 other way round (request smuggling). A malformed request's 400 is JSON, as the app's errors.
+
+One client address holds at most `max_per_client` open connections (`client_key`: an IPv4
+address, an IPv6 /64); a connection beyond them is closed on arrival, unread and unanswered.
+uvicorn's `limit_concurrency` counts every open connection, those still sending their head
+included: without a share per client, one address trickling heads on as many connections as the
+limit (reopening each before its deadline) made every other client's request answer 503.
+
+A client may half-close its connection once its request is sent (`shutdown(SHUT_WR)`: "I will
+send no more"). asyncio closed the connection at that end of input, so a request in flight was
+answered to no one (the answer route saw the client gone: 499) and a pipelined one was never
+read; now every request received whole is answered, and the connection closes after the last.
+A half-close inside a request (its head or body cut short) closes the connection at once, as
+before. A client that closes its socket whole looks the same until the server writes: its
+request is answered too, and the write finds the connection reset.
 """
 
 import asyncio
+import collections
 import errno
+import ipaddress
 import json
 import math
 import socket
@@ -44,7 +62,10 @@ AMBIGUOUS_FRAMING = (
 
 class FramedConnection(h11.Connection):
     """h11's connection refusing, as a protocol error, a request that frames its body twice;
-    `error` keeps the latest protocol error (uvicorn answers 400 without it)."""
+    `error` keeps the latest protocol error (uvicorn answers 400 without it). The client's
+    half-close (`TimedH11Protocol.eof_received`) moves h11's state of their side to CLOSED
+    but is never returned as an event: uvicorn's loop has no case for it and would ask again
+    without end."""
 
     error: h11.RemoteProtocolError | None = None
 
@@ -58,6 +79,8 @@ class FramedConnection(h11.Connection):
         except h11.RemoteProtocolError as e:
             self.error = e
             raise
+        if isinstance(event, h11.ConnectionClosed):
+            return h11.NEED_DATA  # nothing more will come
         return event
 
 
@@ -68,6 +91,9 @@ class TimedH11Protocol(H11Protocol):
     header_timeout_s: float = 10.0
     body_timeout_s: float = 30.0
     on_timeout: Callable[[str], None] | None = None  # called with "headers" or "body"
+    max_per_client: int | None = None  # open connections of one `client_key`; None: no limit
+    on_refused: Callable[[], None] | None = None  # called for each connection it closes
+    _clients: collections.Counter | None = None  # client key -> open connections (per server)
 
     def __init__(self, config, *args, **kwargs):
         super().__init__(config, *args, **kwargs)
@@ -76,14 +102,44 @@ class TimedH11Protocol(H11Protocol):
         self.conn = FramedConnection(h11.SERVER, **limits)
         self._phase: str | None = None  # "headers", "body", or None: nothing awaited from them
         self._deadline: asyncio.TimerHandle | None = None
+        self._client_key: str | None = None  # counted in `_clients` while open
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
+        key = client_key(transport.get_extra_info("peername"))
+        if key is not None and self.max_per_client is not None and self._clients is not None:
+            if self._clients[key] >= self.max_per_client:
+                transport.close()  # unread: its request never reaches the app
+                if self.on_refused is not None:
+                    self.on_refused()
+                return
+            self._clients[key] += 1
+            self._client_key = key
         self._watch()
 
     def connection_lost(self, exc) -> None:
+        if self._client_key is not None:
+            self._clients[self._client_key] -= 1
+            if not self._clients[self._client_key]:
+                del self._clients[self._client_key]
+            self._client_key = None
         self._enter(None)
         super().connection_lost(exc)
+
+    def eof_received(self) -> bool:
+        """The client will send no more (a half-close, or its socket closed whole). Returns
+        whether the connection stays open: while a request received whole awaits its response
+        (the connection then closes after it), else it closes now (asyncio closes it)."""
+        conn = self.conn
+        if conn.their_state is h11.CLOSED:  # seen already (reading paused and resumed since)
+            return True
+        if conn.their_state not in (h11.DONE, h11.MUST_CLOSE):
+            return False  # idle between requests, or inside one: nothing to answer
+        conn.receive_data(b"")  # h11 reads the requests buffered (pipelined), then the close
+        if not conn.trailing_data[0]:
+            conn.next_event()  # their side CLOSED: once our response ends, ours MUST_CLOSE
+        self._watch()
+        return True
 
     def handle_events(self) -> None:  # after each batch of bytes, and after a response
         super().handle_events()
@@ -151,27 +207,57 @@ def protocol(
     header_timeout_s: float,
     body_timeout_s: float,
     on_timeout: Callable[[str], None] | None = None,
+    max_per_client: int | None = None,
+    on_refused: Callable[[], None] | None = None,
 ) -> type[TimedH11Protocol]:
-    """A `TimedH11Protocol` class with these deadlines, for `uvicorn.Config(http=...)`.
+    """A `TimedH11Protocol` class with these deadlines and this share of connections per
+    client, for `uvicorn.Config(http=...)`; one class per server (it counts its connections).
 
     Args:
       header_timeout_s: seconds a request head may take to arrive whole.
       body_timeout_s: seconds a request body may take, from the head's end.
       on_timeout: called on the event loop with "headers" or "body" for each connection closed.
+      max_per_client: open connections one client address (`client_key`) may hold; a
+        connection beyond them is closed on arrival. None: no limit.
+      on_refused: called on the event loop for each connection so closed.
 
     Raises:
-      ValueError: a deadline that is not a positive, finite number of seconds (named).
+      ValueError: a deadline that is not a positive, finite number of seconds, or a
+        `max_per_client` below 1 (named).
     """
     for name, value in (("header_timeout_s", header_timeout_s), ("body_timeout_s", body_timeout_s)):
         if not 0 < value < math.inf:
             raise ValueError(f"{name} must be a positive number of seconds, got {value}")
+    if max_per_client is not None and max_per_client < 1:
+        raise ValueError(f"max_connections_per_client must be >= 1, got {max_per_client}")
+    # A plain function stored on a class would be bound to the protocol as a method.
     attributes = {
         "header_timeout_s": float(header_timeout_s),
         "body_timeout_s": float(body_timeout_s),
-        # A plain function stored on a class would be bound to the protocol as a method.
         "on_timeout": None if on_timeout is None else staticmethod(on_timeout),
+        "max_per_client": max_per_client,
+        "on_refused": None if on_refused is None else staticmethod(on_refused),
+        "_clients": collections.Counter(),
     }
     return type("TimedH11Protocol", (TimedH11Protocol,), attributes)
+
+
+def client_key(peer) -> str | None:
+    """What a client's connections are counted by, from the peer address of its socket: an
+    IPv4 address; an IPv6 address's /64 (a host is commonly given a whole /64, and would
+    otherwise hold a share per address); an IPv4-mapped IPv6 address as its IPv4 address. None
+    where the peer has no IP address (a Unix socket)."""
+    if not isinstance(peer, tuple) or not peer or not isinstance(peer[0], str):
+        return None
+    try:
+        address = ipaddress.ip_address(peer[0].partition("%")[0])  # without an IPv6 zone
+    except ValueError:
+        return None
+    if isinstance(address, ipaddress.IPv6Address):
+        if address.ipv4_mapped is not None:
+            return str(address.ipv4_mapped)
+        return str(ipaddress.IPv6Network((address, 64), strict=False))
+    return str(address)
 
 
 def bind(host: str, port: int) -> socket.socket:

@@ -2,7 +2,8 @@
 Prometheus and the tools that read its format scrape) and a JSON snapshot (`GET /v1/metrics`).
 
 Counted as they happen: requests by route and status and their latencies; each merged call's
-questions, requests and seconds; edits; connections cut for sending their request too slowly.
+questions, requests and seconds; edits; connections cut for sending their request too slowly,
+and those closed on arrival because their client address held its share of the connections.
 Read from the server at each scrape (`Live`, through the function given to `watch`): readiness,
 the batcher's queue, the bundle's trace count, each setting's compile state, the passages.
 
@@ -80,6 +81,7 @@ class Metrics:
         self._batch_seconds = 0.0
         self._edits = 0
         self._timed_out: collections.Counter = collections.Counter()  # phase -> connections
+        self._refused = 0  # connections closed on arrival: their address held its share
         self._live_fn: Callable[[], Live] | None = None
 
         self.registry = prometheus_client.CollectorRegistry()
@@ -126,6 +128,12 @@ class Metrics:
         )
         for phase in TIMEOUT_PHASES:  # exported at 0 from the start, as a rate needs
             self._timeouts.labels(phase)
+        self._refusals = prometheus_client.Counter(
+            "rag_jax_connections_refused",
+            "Connections closed on arrival, unread: their client address held "
+            "max_connections_per_client open connections already",
+            registry=r,
+        )
         r.register(_LiveCollector(self))
 
     def watch(self, live_fn: Callable[[], Live]) -> None:
@@ -162,6 +170,12 @@ class Metrics:
         self._timeouts.labels(phase).inc()
         with self._lock:
             self._timed_out[phase] += 1
+
+    def refused(self) -> None:
+        """A connection closed on arrival: its client address held its share already."""
+        self._refusals.inc()
+        with self._lock:
+            self._refused += 1
 
     def live(self) -> Live | None:
         """The server's state now (None before `watch`)."""
@@ -206,6 +220,7 @@ class Metrics:
                 },
                 "edits": self._edits,
                 "timed_out": {phase: self._timed_out[phase] for phase in TIMEOUT_PHASES},
+                "refused_connections": self._refused,
                 **(dataclasses.asdict(live) if live is not None else {}),
             }
 

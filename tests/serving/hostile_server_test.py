@@ -9,6 +9,7 @@ import os
 import select
 import shutil
 import socket
+import struct
 import subprocess
 import threading
 import time
@@ -295,6 +296,9 @@ def test_a_disconnected_clients_request_is_dropped_before_it_is_computed(served)
             )
             sock = _raw(served.port, head + body)
             time.sleep(0.5)  # queued behind the held call
+            # Reset (RST), not closed (FIN): a client closing its socket cannot be told from
+            # one that only half-closed, whose request is answered.
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
             sock.close()
             time.sleep(0.5)
             gate.open.set()
