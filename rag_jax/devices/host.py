@@ -30,6 +30,7 @@ a failure. When the host has no TPU chip on its PCI bus and no GPU plugin of JAX
 `JAX_PLATFORMS=cpu` is added too (a value already set is kept).
 """
 
+import ctypes
 import glob
 import importlib.metadata
 import os
@@ -186,3 +187,20 @@ def start_jax_leaving_a_core() -> int:
             except OSError:  # a thread that ended meanwhile
                 pass
     return len(cpus) - 1
+
+
+def release_free_memory() -> bool:
+    """Returns the C heap's free pages to the kernel (glibc's `malloc_trim(0)`); True if it
+    ran (glibc), False elsewhere.
+
+    Memory that XLA frees (a dropped program's executable, its buffers) goes back to glibc's
+    heap, not to the kernel: the process's RSS stays where it peaked. A server that evicts an
+    idle setting's programs calls this after dropping them, so that the eviction shows in RSS.
+    """
+    if glibc_version() is None:
+        return False
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        return False
+    return True

@@ -25,6 +25,7 @@ import jax
 import numpy as np
 
 from rag_jax import causal, rag, rag_math
+from rag_jax.devices import host
 from rag_jax.model_inputs import context_width, question_tokens
 from rag_jax.retrieval.retriever import Retriever
 from rag_jax.retrieval.store import PassageStore
@@ -277,10 +278,12 @@ class Answering:
     def forget(self, setting: AnswerSetting) -> None:
         """Drops `setting`'s compiled programs: its shapes leave `ready_shapes` and its jitted
         program's executables are freed (a server evicting an idle setting). The question
-        encoder's programs, shared by every setting, stay."""
+        encoder's programs, shared by every setting, stay; the freed memory is returned to the
+        kernel (`host.release_free_memory`), else RSS would not fall."""
         with self._compile_lock, self._ready_lock:
             self._ready.pop(setting, None)
             self._program(setting).clear_cache()
+        host.release_free_memory()
 
     def _answer_setting(self, questions, variant, num_beams, n_docs, decoding) -> AnswerSetting:
         """The setting `questions` are answered with (None: the bundle's default), checked."""
