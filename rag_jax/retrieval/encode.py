@@ -17,14 +17,22 @@ Batching: passages are tokenised a window at a time (`sort_window` rows), sorted
 within the window, cut into batches of B and each batch padded to the smallest bucket length
 that fits it (`default_buckets`: multiples of 16 and `max_length`), so at most one program per
 bucket is compiled and little padding is computed. The batch is sharded over the `data` axis of a
-mesh with the parameters replicated; B is rounded up to a multiple of the device count and
-padding rows are never written. Vectors return to their original row order. The encoder runs
-its last layer for the [CLS] position only (`pooled_vectors`), the only one the vector needs.
+mesh of this process's devices with the parameters replicated; B is rounded up to a multiple of
+the device count and padding rows are never written. Vectors return to their original row
+order. The encoder runs its last layer for the [CLS] position only (`pooled_vectors`), the only
+one the vector needs.
 
 On disk (`encode_corpus`): shards of `shard_size` rows plus a manifest, see
 `rag_jax.retrieval.vectors`. The shard is the unit of work; a re-run with the same arguments skips
 the shards already recorded and, since each shard is computed from its own rows only and batched
 the same way, produces byte-identical files.
+
+Several hosts (`encode_corpus` under `jax.distributed`): each process encodes with its own
+devices (`data_mesh`, B rows per call on each process) the unfinished shards dealt to it
+round-robin (`process_shards`); process 0 alone writes the manifest, before (the run's fields)
+and after (every shard, from the record files the processes wrote, `vectors.write_record`), with
+a barrier between. The finished directory is the one a single process writes; its shards are
+byte-identical to it when the processes' meshes have the single process's device count.
 """
 
 import dataclasses
@@ -38,9 +46,11 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from rag_jax.devices import distributed
 from rag_jax.models import bert, layers
 from rag_jax.retrieval import vectors
 from rag_jax.retrieval.files import DTYPES
@@ -265,13 +275,9 @@ def make_encode_fn(cfg: bert.BertConfig, mesh: Mesh, dtype: str):
 
 
 def data_mesh() -> Mesh:
-    """A 1-D mesh over every device, axis `data` (explicit axis types left at their default)."""
-    if jax.process_count() > 1:
-        raise ValueError(
-            f"corpus encoding runs on one host; this job has {jax.process_count()} processes. "
-            "Encode row ranges per host into separate directories instead."
-        )
-    return Mesh(np.array(jax.devices()), ("data",))
+    """A 1-D mesh over this process's devices, axis `data` (explicit axis types left at their
+    default): on a multi-host job each process encodes its own passages with its own chips."""
+    return Mesh(np.array(jax.local_devices()), ("data",))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -281,7 +287,7 @@ class _Setup:
     mesh: Mesh
     max_length: int
     format: str  # input format, see tokenize_passages
-    batch_size: int  # global B, a multiple of the device count
+    batch_size: int  # B rows per call on this process's mesh, a multiple of its devices
     buckets: tuple[int, ...]
     dtype: str
     pad_id: int
@@ -308,6 +314,12 @@ def _setup(cfg, tokenizer, max_length, input_format, batch_size, buckets, dtype,
     mesh = data_mesh() if mesh is None else mesh
     if "data" not in mesh.shape:
         raise ValueError(f"mesh has axes {tuple(mesh.shape)}; the batch is sharded over 'data'")
+    foreign = [d for d in mesh.devices.flat if d.process_index != jax.process_index()]
+    if foreign:
+        raise ValueError(
+            f"the mesh holds {len(foreign)} devices of other processes (e.g. {foreign[0]}); "
+            "encoding runs on this process's devices: pass a mesh over jax.local_devices()"
+        )
     devices = mesh.shape["data"]
     buckets = default_buckets(max_length) if buckets is None else tuple(int(b) for b in buckets)
     if list(buckets) != sorted(set(buckets)) or buckets[0] < 1 or buckets[-1] != max_length:
@@ -402,10 +414,10 @@ def encode_token_ids(
       cfg: passage encoder config (`cfg.dtype` is the compute dtype).
       params: its parameters.
       token_ids: C id lists (special tokens included), each at most max(buckets) long.
-      batch_size: global B, rounded up to a multiple of the mesh's `data` size.
+      batch_size: B rows per encoder call, rounded up to a multiple of the mesh's `data` size.
       dtype: storage dtype of the result: float32, float16 or bfloat16.
       buckets: ascending padded lengths; default `default_buckets(cfg.max_position_embeddings)`.
-      mesh: device mesh with a `data` axis; default all devices.
+      mesh: device mesh with a `data` axis; default this process's devices (`data_mesh`).
 
     Returns:
       [C, D] numpy array of `dtype`.
@@ -469,6 +481,72 @@ def _encode_rows(store, start, stop, window, cfg, params, tokenizer, setup, bar)
     return out
 
 
+def process_shards(todo: Sequence[int], process: int, processes: int) -> list[int]:
+    """The shards one process of a multi-host run encodes: every `processes`-th unfinished one.
+
+    Dealt round-robin over the shards still to do (not over all shards), so that a re-run after
+    a killed process spreads what is left over every process again; all processes read the
+    same manifest, so they deal alike.
+
+    Args:
+      todo: ascending indices of the shards not yet finished.
+      process, processes: `jax.process_index()`, `jax.process_count()`.
+
+    Returns:
+      `todo[process::processes]`.
+    """
+    if not 0 <= process < processes:
+        raise ValueError(f"process {process} is not one of {processes} processes")
+    return list(todo)[process::processes]
+
+
+def _on_every_process(ok: bool) -> bool:
+    """Whether `ok` holds on every process: a collective, hence a barrier, on several."""
+    if jax.process_count() == 1:
+        return ok
+    return distributed.max_over_processes(int(not ok)) == 0
+
+
+def _check_same_run(manifest: dict) -> None:
+    """Raises on every process unless every process encodes the same run (arguments, encoder
+    parameters, corpus); a collective."""
+    digest = hashlib.sha256(json.dumps(manifest, sort_keys=True).encode("utf-8")).digest()
+    digests = np.asarray(
+        multihost_utils.process_allgather(np.frombuffer(digest, np.uint8).astype(np.int32))
+    )  # -> [processes, 32]
+    differing = [p for p in range(len(digests)) if not np.array_equal(digests[p], digests[0])]
+    if differing:
+        raise ValueError(
+            f"processes {differing} encode another run than process 0 (other arguments, "
+            "encoder parameters or corpus); every process must call encode_corpus alike"
+        )
+
+
+def _fold_records(out_dir: pathlib.Path, manifest: dict, overwrite: bool) -> set[int]:
+    """`vectors.prepare_dir`, then the manifest written with every finished shard (record files
+    included) and the record files deleted; returns the finished shards. Process 0's work."""
+    done = vectors.prepare_dir(out_dir, manifest, overwrite)
+    vectors.write_manifest(out_dir, manifest)
+    vectors.remove_records(out_dir)  # after the manifest that lists them
+    return done
+
+
+def _processes_run(fn, what: str):
+    """Runs `fn()` on process 0 alone (None elsewhere) and raises on every process if it fails,
+    so that no process is left waiting at a collective for one that gave up."""
+    error, result = None, None
+    if jax.process_index() == 0:
+        try:
+            result = fn()
+        except Exception as e:  # noqa: BLE001 - re-raised below, after the others learn of it
+            error = e
+    if not _on_every_process(error is None):
+        if error is not None:
+            raise error
+        raise RuntimeError(f"process 0 failed to {what}; its log says why")
+    return result
+
+
 def encode_corpus(
     store,
     cfg: bert.BertConfig,
@@ -489,6 +567,16 @@ def encode_corpus(
 ) -> dict:
     """Encodes every passage of `store` into sharded `.npy` files; resumes an interrupted run.
 
+    On a multi-host job (`jax.process_count()` > 1) every process calls it with the same
+    arguments and `out_dir` on a filesystem they all see (NFS, a GCS mount): process 0 prepares
+    the directory and writes the manifest; each process encodes its share of the unfinished
+    shards (`process_shards`) with its own devices (`data_mesh`), writing each shard and its
+    record (`vectors.write_record`); after a barrier process 0 folds the records into the
+    manifest. A killed process leaves its finished shards recorded: a re-run, with any number of
+    processes, encodes only what is missing and ends with the files a one-process run writes
+    (the shards byte for byte when each process's mesh has as many devices as the one process's:
+    the per-device batch decides the float rounding).
+
     Args:
       store: C passages: `len(store)`, `store.title(i)`, `store.text(i)` and `store.checksum`
         (a `rag_jax.retrieval.store.PassageStore`).
@@ -497,21 +585,23 @@ def encode_corpus(
       out_dir: the vectors directory: new, empty, or holding an unfinished run of the same
         arguments.
       max_length, input_format: see `tokenize_passages`.
-      batch_size: global B, rounded up to a multiple of the mesh's `data` size.
+      batch_size: B rows per encoder call of a process, rounded up to a multiple of the mesh's
+        `data` size.
       shard_size: rows per `.npy` file (and per unit of resumable work).
       dtype: storage dtype: float32, float16 or bfloat16.
       buckets: padded lengths, ascending, ending at max_length; default `default_buckets`.
       sort_window: rows tokenised and length-sorted together (at most the shard); default 32 B.
-      mesh: device mesh with a `data` axis; default all devices.
+      mesh: this process's device mesh with a `data` axis; default `data_mesh()`.
       overwrite: replace vectors of a different run in `out_dir` instead of refusing.
-      progress: show a tqdm bar (passages/s).
+      progress: show a tqdm bar (passages/s) of this process's rows.
 
     Returns:
       The manifest (see the module docstring).
 
     Raises:
       ValueError: an empty corpus, max_length above the encoder's positions, a run of other
-        arguments in `out_dir` (naming each differing field), a passage that cannot be encoded.
+        arguments in `out_dir` (naming each differing field), a passage that cannot be encoded,
+        processes that disagree on the run or do not share `out_dir`.
     """
     from tqdm.auto import tqdm
 
@@ -546,13 +636,34 @@ def encode_corpus(
         "sort_window": window,
         "shards": [],
     }
-    done = vectors.prepare_dir(out_dir, manifest, overwrite)
-    vectors.write_manifest(out_dir, manifest)
+    process, processes = jax.process_index(), jax.process_count()
+    if processes > 1:
+        _check_same_run(manifest)
+    header = {k: v for k, v in manifest.items() if k != "shards"}
+    _processes_run(
+        lambda: _fold_records(out_dir, manifest, overwrite), f"prepare the vectors in {out_dir}"
+    )
+    if process > 0:  # the manifest process 0 wrote: on a shared filesystem, the same file
+        try:
+            written = vectors.read_manifest(out_dir)
+        except (OSError, ValueError):
+            written = None
+        shared = written is not None and all(written.get(k) == v for k, v in header.items())
+        if not _on_every_process(shared):
+            raise ValueError(
+                f"process {process} does not see the manifest process 0 wrote in {out_dir}: "
+                "the vectors directory must be on a filesystem every process shares"
+            )
+        manifest = {**header, "shards": written["shards"]}
+    elif processes > 1:
+        _on_every_process(True)
+    done = {s["index"] for s in manifest["shards"]}
     num_shards = -(-count // shard_size)
-    todo = [s for s in range(num_shards) if s not in done]
+    todo = process_shards([s for s in range(num_shards) if s not in done], process, processes)
     params = _replicate(params, setup.mesh)
-    rows_done = count - sum(min(count, (s + 1) * shard_size) - s * shard_size for s in todo)
-    bar = tqdm(total=count, initial=rows_done, unit="passage", disable=not progress, smoothing=0.1)
+    rows = sum(min(count, (s + 1) * shard_size) - s * shard_size for s in todo)
+    bar = tqdm(total=rows, unit="passage", disable=not progress, smoothing=0.1)
+    error = None
     try:
         for shard in todo:
             start, stop = shard * shard_size, min(count, (shard + 1) * shard_size)
@@ -560,9 +671,32 @@ def encode_corpus(
             name = vectors.shard_name(shard)
             sha = vectors.write_shard(out_dir / name, out, dtype)
             record = {"index": shard, "file": name, "rows": stop - start, "sha256": sha}
+            if processes > 1:  # process 0 alone writes the manifest, at the end
+                vectors.write_record(out_dir, record)
+                continue
             manifest["shards"].append(record)
             manifest["shards"].sort(key=lambda s: s["index"])
             vectors.write_manifest(out_dir, manifest)
+    except Exception as e:  # noqa: BLE001 - raised once the other processes know of it
+        if processes == 1:
+            raise
+        error = e
     finally:
         bar.close()
-    return manifest
+    if processes == 1:
+        return manifest
+    if not _on_every_process(error is None):
+        if error is not None:
+            raise error
+        raise RuntimeError("another process failed to encode its shards; its log says why")
+
+    def finish():
+        finished = {**header, "shards": []}
+        done = _fold_records(out_dir, finished, overwrite=False)
+        missing = sorted(set(range(num_shards)) - done)
+        if missing:
+            raise ValueError(f"{out_dir}: shards {missing[:10]} are missing after every process")
+        return finished
+
+    _processes_run(finish, f"finish the manifest in {out_dir}")
+    return vectors.read_manifest(out_dir)

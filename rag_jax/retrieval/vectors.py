@@ -10,10 +10,18 @@ input format, batching, and every finished shard's index, file, rows and sha256.
 are stored as their raw bits (`<u2`), since `.npy` has no bfloat16; `load_vectors` views them
 back. Shards and the manifest are written atomically, so an interrupted run leaves only whole,
 recorded shards and stray `*.tmp*` files, which the next run deletes.
+
+A run of several processes (`encode_corpus` on a multi-host job) has one manifest writer,
+process 0; the others record each shard they finish in a file of its own beside it,
+`vectors-00003.json` (the shard's manifest entry, sealed with its checksum like a manifest).
+`prepare_dir` folds such records into the manifest (a shard counts as finished whether its entry
+is in the manifest or in a record), and once the manifest lists them `remove_records` deletes
+them, so a finished directory holds the same files whichever number of processes wrote it.
 """
 
 import hashlib
 import io
+import json
 import pathlib
 import re
 
@@ -28,7 +36,8 @@ FORMAT = "rag_jax.vectors"
 VERSION = 2  # 2: the manifest carries its checksum
 _FORMATS = {FORMAT: (1, 2)}
 # Files a run writes: shards, and the temporary names of shards and manifest mid-write.
-_OURS = re.compile(r"(vectors-\d{5}\.npy|manifest\.json)(\.tmp\d*)?")
+_OURS = re.compile(r"(vectors-\d{5}\.(npy|json)|manifest\.json)(\.tmp\d*)?")
+_RECORD = re.compile(r"vectors-\d{5}\.json")
 # Manifest fields that are bookkeeping, not part of what the vectors are (ignored on resume).
 _PROGRESS_FIELDS = ("shards", "tokenizer", "version")
 _RESUME = "the shards recorded in its manifest are intact: free space and run encode_corpus again"
@@ -78,6 +87,42 @@ def read_manifest(directory, expect: dict | None = None) -> dict:
 def shard_name(index: int) -> str:
     """File name of shard `index` (0-based)."""
     return f"vectors-{index:05d}.npy"
+
+
+def record_name(index: int) -> str:
+    """File name of shard `index`'s record (a multi-process run's entry awaiting the manifest)."""
+    return f"vectors-{index:05d}.json"
+
+
+def write_record(directory: pathlib.Path, record: dict) -> None:
+    """Writes a finished shard's manifest entry ({"index", "file", "rows", "sha256"}) beside it,
+    atomically and sealed with its checksum; `prepare_dir` folds it into the manifest."""
+    path = directory / record_name(record["index"])
+    text = files.manifest_text(record).encode("utf-8")
+    files.write_atomic(path, text, what=f"vectors shard record {path}", advice=_RESUME)
+
+
+def _read_record(path: pathlib.Path) -> dict | None:
+    """A record file's entry, or None when it is damaged (its shard is then computed again)."""
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+        record.pop(files.CHECKSUM_FIELD)
+        if path.read_text(encoding="utf-8") != files.manifest_text(record):
+            return None  # the seal does not match: damaged or edited
+        if path.name != record_name(record["index"]) or record["file"] != shard_name(
+            record["index"]
+        ):
+            return None
+        return record
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+def remove_records(directory: pathlib.Path) -> None:
+    """Deletes the shard record files, once the manifest lists their entries."""
+    for path in directory.iterdir():
+        if _RECORD.fullmatch(path.name):
+            path.unlink()
 
 
 def _check_shard(path: pathlib.Path, record: dict, manifest: dict, verify: bool) -> int:
@@ -167,13 +212,18 @@ def prepare_dir(directory: pathlib.Path, manifest: dict, overwrite: bool) -> set
                 + ". Pass overwrite=True to replace them, or use another directory."
             )
         done = set()
-        for record in old["shards"]:
+        records = [*old["shards"]]  # the manifest's entries, then those of record files
+        records += [_read_record(p) for p in sorted(directory.glob("vectors-*.json"))]
+        for record in records:
+            if record is None or record["index"] in done:
+                continue
             try:
                 _check_shard(directory / record["file"], record, old, verify=False)
             except (OSError, ValueError):
                 continue  # damaged since it was recorded: computed again
             done.add(record["index"])
             manifest["shards"].append(record)
+        manifest["shards"].sort(key=lambda s: s["index"])
         return done
     others = [p.name for p in directory.iterdir() if not _OURS.fullmatch(p.name)]
     if others:
