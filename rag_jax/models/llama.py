@@ -239,7 +239,7 @@ def _fused(query, key, value, key_mask, impl):
     """Causal grouped-query attention of rows over their own keys in a kernel (`impl`: "flash",
     `models.flash`, which reads the key/value heads repeated for each query head; "splash",
     `models.splash`, which reads the g heads as they are; "inplace", `models.inplace`, which
-    reads [R, T, h * d] and repeats the key/value heads).
+    reads the queries as [R, T, h * d] and the g key/value heads as they are, [R, T, g * d]).
 
     Args:
       query: [R, T, h, d], rotated, and scaled but for "inplace" (whose kernels scale logits).

@@ -357,6 +357,57 @@ def test_inplace_attention_reads_the_projections_layout(kernel_programs):
         assert _score_arrays(text, q.num_attention_heads, lengths) == [], policy
 
 
+def _kernel_operands(text: str, name: str) -> list[tuple[list, list]]:
+    """Each custom call named `name`: (its result shapes, its operand shapes in order, as its
+    operand layout constraints give them)."""
+    calls = []
+    for line in text.splitlines():
+        if 'custom_call_target="tpu_custom_call"' in line and f"%{name}" in line.split("=")[0]:
+            results = line.split("=", 1)[1].split("custom-call(")[0]
+            operands = line.split("operand_layout_constraints={", 1)[1].split("}}")[0]
+            calls.append(tuple(
+                [tuple(int(d) for d in shape.split(",")) for shape in
+                 re.findall(r"(?:f32|bf16|s32)\[([\d,]+)\]", part)]
+                for part in (results, operands)
+            ))  # fmt: skip
+    return calls
+
+
+def test_inplace_attention_reads_grouped_key_value_heads(target, tmp_path):
+    """The tiny Llama's attention (4 query heads over 2 key/value heads of 16) in the inplace
+    kernel: every layer's forward call reads k and v at their own width, [rows, L, 2 * 16], its
+    backward call writes dK and dV there, and no key or value repeated for the query heads (a
+    [.., g, r, d] broadcast) is left in the program."""
+    folder = tmp_path / "tiny_llama"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(TINY_LLAMA))
+    settings = {"model.generator_path": str(folder), "rag.keep_question": True,
+                "train.freeze": r"^passage_encoder/",
+                "model.attention_impl": "inplace"}  # fmt: skip
+    p = aot.plan(_config(**settings))
+    row = aot.train_row(p, target, 8, in_step=False, hlo_dir=tmp_path)
+    assert row["fits"], row
+    (path,) = tmp_path.glob("*.hlo.txt.gz")
+    text = gzip.open(path, "rt").read()
+    g = p.rag_cfg.generator
+    heads, groups, width = g.num_attention_heads, g.num_key_value_heads, g.head_width
+    assert (heads, groups, width) == (4, 2, 16)
+    rows = row["per_chip_batch"] * p.rag_cfg.n_docs  # the generator's rows; the questions': B
+    forward = [c for c in _kernel_operands(text, "inplace_attention_forward") if c[1][1][0] == rows]
+    assert len(forward) == g.num_hidden_layers, forward
+    for results, (_, q, k, v) in forward:
+        assert q[2] == heads * width and k == v == (rows, q[1], groups * width), (q, k, v)
+        assert results == [q]
+    backward = [
+        c for c in _kernel_operands(text, "inplace_attention_backward") if c[1][2][0] == rows
+    ]
+    assert len(backward) == g.num_hidden_layers, backward
+    for results, operands in backward:
+        q, kv = operands[2], (rows, operands[2][1], groups * width)
+        assert results == [q, kv, kv] and operands[2:] == [q, kv, kv, q], (results, operands)
+    assert re.findall(rf"\[[\d,]*,{groups},{heads // groups},{width}\]", text) == []
+
+
 @pytest.mark.parametrize("impl", ["splash", "inplace"])
 def test_the_recompute_count_follows_the_remat_policy(kernel_programs, impl):
     """What "attention" recomputes beyond "projections" (the output projections and the

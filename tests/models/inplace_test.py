@@ -1,8 +1,10 @@
 """The inplace kernel (`models.inplace`, run here in Pallas's interpreter) in its own [R, T, h * d]
 layout against a float64 numpy reference, outputs and gradients (logits scaled inside): heads
 narrower than a 128-lane tile (two heads of 64 per tile, eight of 4 in one), heads of 128,
-grouped key/value heads, causal and key padding, a row with no key to read; the blocks of heads
-it picks and what it refuses; the kernel under a mesh (`jax.shard_map`); the remat policies'
+heads that straddle tiles (48, 96), grouped key/value heads read at their own width
+[R, S, g * d] (SmolLM2's 9 over 3, Llama's 4 per group, one key/value head, heads of 16 and 32,
+several blocks), causal and key padding, a row with no key to read; the blocks of heads it
+picks and what it refuses; the kernel under a mesh (`jax.shard_map`); the remat policies'
 gradients. Against the XLA path inside the models: kernels_test.py."""
 
 import jax
@@ -86,17 +88,59 @@ def test_narrow_heads_in_one_tile_and_a_row_with_no_key():
 def test_heads_of_128_and_grouped_key_value_heads():
     _check(2, 9, 9, 2, 128, 2, True, [9, 4], seed=2, scale=1.0)  # one tile per head, unscaled
     _check(2, 9, 9, 4, 64, 2, True, [9, 6], seed=3)  # 4 query heads over 2 key/value heads
+    _check(2, 6, 10, 4, 128, 2, False, [10, 3], seed=5)  # a key/value tile per two query heads
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
+@pytest.mark.parametrize(
+    "heads, groups, width",
+    [(9, 3, 64), (8, 2, 64), (6, 1, 64), (8, 2, 16), (12, 4, 32)],
+    ids=["smollm2-9-over-3", "llama-4-per-group", "one-key-value-head", "d16", "d32"],
+)
+def test_grouped_key_value_heads_read_at_their_width(heads, groups, width, causal):
+    """k and v [R, S, g * d] as they are, dK and dV at that width, summed over each group: 9 query
+    heads over 3 (SmolLM2: a 192-lane key/value block, its last tile half full, as the queries'
+    576 lanes), 4 query heads per key/value head (Llama-3.2-1B), one key/value head read by 6,
+    heads of 16 and 32 lanes (key/value heads placed anywhere in a tile); the third row has no
+    key to read."""
+    length, source = (11, 11) if causal else (7, 12)
+    lengths = [source, source - 4, 0] if not causal else [source, 6, 0]
+    _check(3, length, source, heads, width, groups, causal, lengths, seed=heads + width)
+
+
+def test_heads_that_straddle_tiles():
+    """Heads of 48 lanes (and 96: three heads over 288 lanes) straddle 128-lane tiles, which then
+    join into one."""
+    _check(2, 5, 7, 4, 48, 4, False, [7, 3], seed=8)
+    _check(2, 6, 6, 6, 48, 2, True, [6, 2], seed=9)
+    _check(2, 5, 5, 3, 96, 3, True, [5, 4], seed=10)
+
+
+def test_grouped_heads_in_several_blocks(monkeypatch):
+    """Under a VMEM budget for half the heads, 8 query heads over 4 key/value heads run as two
+    blocks of 4 query heads (256 lanes) reading key/value blocks of 2 (128 lanes) each."""
+    budget = inplace._vmem_bytes(9, 9, 4 * 64, 2 * 64, 4)
+    monkeypatch.setattr(inplace, "VMEM_BUDGET", budget)
+    assert inplace.heads_per_block(8, 4, 64, 9, 9, 4) == 4
+    _check(2, 9, 9, 8, 64, 4, True, [9, 5], seed=7)
 
 
 def test_blocks_of_heads_and_what_is_refused():
     # BART-large's contexts (16 heads of 64, T = S = 300, bfloat16): all heads in one step.
-    assert inplace.heads_per_block(16, 64, 300, 300, 2) == 16
+    assert inplace.heads_per_block(16, 16, 64, 300, 300, 2) == 16
     # Longer rows: fewer heads per step, their lanes a multiple of 128.
-    assert inplace.heads_per_block(16, 64, 512, 512, 2) == 2
+    assert inplace.heads_per_block(16, 16, 64, 512, 512, 2) == 2
     # BERT-base's 12 heads can only be split into blocks whose lanes are multiples of 128.
-    assert inplace.heads_per_block(12, 64, 64, 64, 2) == 12
+    assert inplace.heads_per_block(12, 12, 64, 64, 64, 2) == 12
+    # Llama-3.2-1B's prompts (32 heads over 8 of 64, T = S = 332): whole groups, key/value lanes
+    # a multiple of 128 (16 query heads, 1,024 lanes, over 4 key/value heads, 256 lanes).
+    assert inplace.heads_per_block(32, 8, 64, 332, 332, 2) == 16
+    # SmolLM2's 9 over 3: 192 key/value lanes cannot be split, so the whole width or nothing.
+    assert inplace.heads_per_block(9, 3, 64, 300, 300, 2) == 9
     with pytest.raises(ValueError, match=r"queries of 2048 and keys of 2048 .* use attention_impl"):
-        inplace.heads_per_block(16, 64, 2048, 2048, 2)
+        inplace.heads_per_block(16, 16, 64, 2048, 2048, 2)
+    with pytest.raises(ValueError, match=r"9 heads \(3 key/value heads\) of 64"):
+        inplace.heads_per_block(9, 3, 64, 1024, 1024, 2)
     q = jnp.zeros((2, 5, 16))
     with pytest.raises(ValueError, match=r"with h = 4 and g dividing h"):
         inplace.attention(q, jnp.zeros((2, 5, 12)), jnp.zeros((2, 5, 12)), jnp.ones((2, 5)), 4, 0)

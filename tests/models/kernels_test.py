@@ -153,9 +153,16 @@ def llama_loss(cfg, params, ids, mask):
     return jnp.sum(jnp.sin(logits)), logits
 
 
-@pytest.mark.parametrize("kv_heads", [2, 4], ids=["gqa", "mha"])
-def test_llama_decoder_with_a_kernel_equals_xla_on_real_tokens(kernel, kv_heads):
-    cfg = llama_config(kv_heads)
+@pytest.mark.parametrize(
+    "kv_heads, shape",
+    [(2, {}), (4, {}), (3, dict(num_attention_heads=9, head_dim=64)),
+     (2, dict(num_attention_heads=8, head_dim=64))],
+    ids=["gqa", "mha", "smollm2-9-over-3-d64", "llama-4-per-group-d64"],
+)  # fmt: skip
+def test_llama_decoder_with_a_kernel_equals_xla_on_real_tokens(kernel, kv_heads, shape):
+    """Grouped key/value heads through the decoder: heads of 4 lanes, and of 64 as SmolLM2 (9
+    query heads over 3) and Llama-3.2-1B (4 query heads per key/value head) have them."""
+    cfg = llama_config(kv_heads, **shape)
     ids, mask = llama_batch()
     params = llama.init_params(cfg, jax.random.PRNGKey(3))
     results = {}
