@@ -5,7 +5,8 @@ r"""rag_jax vs its reference, side by side in one process, on the same threads.
 
 Each suite lives in `benchmarks/<suite>.py` and exposes `run(quick: bool) -> dict` returning
 {"columns": [...], "rows": [...], ...}; rows carry absolute times and the ratio to the reference.
-Results are printed as tables and written to `<out>/<suite>.json`.
+Results are printed as tables and written to `<out>/<suite>.json`; the `scale` suite also takes
+its corpus sizes (`--scale_sizes 1000000,2000000`).
 
 The script first restarts itself with `rag_jax.devices.host`'s settings: glibc's large
 allocations on transparent huge pages and OpenBLAS's idle workers asleep (both sides share the
@@ -19,7 +20,7 @@ import os
 
 from rag_jax.devices import host
 
-SUITES = ("models", "index", "encode", "train_step", "generate", "e2e", "causal", "memo")
+SUITES = ("models", "index", "encode", "train_step", "generate", "e2e", "causal", "memo", "scale")
 
 
 def main(argv=None):
@@ -30,6 +31,9 @@ def main(argv=None):
         "--threads", type=int, default=2, help="torch CPU threads (match the cores XLA uses)"
     )
     parser.add_argument("--quick", action="store_true", help="smaller sizes, for a smoke run")
+    parser.add_argument(
+        "--scale_sizes", default="", help="scale suite: comma-separated corpus sizes (1M,2M,4M)"
+    )
     args = parser.parse_args(argv)
 
     # XLA's CPU client uses every core of the machine (2 here); torch is given the same count.
@@ -56,7 +60,11 @@ def main(argv=None):
         except ModuleNotFoundError as e:
             parser.error(f"suite {name!r} is not available yet ({e})")
         print(f"\n== {name} ==")
-        result = suite.run(quick=args.quick)
+        if name == "scale":  # the one suite with sizes of its own
+            sizes = [int(n) for n in args.scale_sizes.split(",") if n]
+            result = suite.run(quick=args.quick, sizes=sizes or None, out=args.out)
+        else:
+            result = suite.run(quick=args.quick)
         result["host"] = host_settings
         common.print_table(result["rows"], result["columns"])
         path = os.path.join(args.out, f"{name}.json")

@@ -3,6 +3,20 @@
 ScaNN partitions the vectors into k-means leaves, scores the candidates of the leaves searched by
 anisotropic hashing, and rescores the best of them exactly; `scann_defaults` picks its settings
 from the corpus size after ScaNN's rules of thumb. It is the host path for any corpus size.
+
+Two ways to build, chosen from the corpus size (`scann_defaults`'s "build"):
+
+- "whole" (below `SAMPLE_BUILD_MIN` vectors): ScaNN is given every vector as float32 and keeps
+  that copy to rescore its candidates (`dataset.npy` in the folder).
+- "sample" (from `SAMPLE_BUILD_MIN` on, the 1M-21M passages of Wikipedia): the partitioner and
+  the AH codebooks are trained on a random sample, and the other vectors are added to the
+  searcher in batches (ScaNN's `upsert`), read block by block from the stored vectors (a
+  memory-mapped float16 file stays on disk). ScaNN then holds only the leaves and the AH codes
+  (one byte per two dimensions: 384 bytes a 768-d vector, 8 GB at 21M); the candidates it returns
+  are rescored here in float32 against the stored vectors (float16/bfloat16 rows gathered from
+  the map), so no float32 copy of the corpus exists at build or search time. The folder holds
+  ScaNN's files, the stored vectors (`vectors.bin`, memory-mapped on load) and the order in which
+  the vectors entered the searcher (`ids.npy`: row r of ScaNN is passage ids[r]).
 `rag_jax.retrieval.index` re-exports the class (`index.ScannIndex`, the public name), and its
 `load` reads a ScaNN folder as well as an exact one.
 
@@ -19,7 +33,17 @@ import numpy as np
 
 from rag_jax.retrieval import files
 from rag_jax.retrieval.index_base import Index, check_vectors
-from rag_jax.retrieval.index_format import new_manifest, provenance, read_manifest
+from rag_jax.retrieval.index_format import (
+    VECTORS,
+    load_vectors,
+    new_manifest,
+    provenance,
+    read_manifest,
+)
+
+SAMPLE_BUILD_MIN = 500_000  # from here a float32 copy of 768-d vectors passes 1.5 GB
+ADD_BATCH = 65_536  # rows added to a sample-trained searcher per call (192 MB of float32 at 768)
+_GATHER_QUERIES = 64  # queries rescored together: [64, reorder, D] float32 candidates at a time
 
 
 def scann_defaults(count: int) -> dict:
@@ -30,11 +54,16 @@ def scann_defaults(count: int) -> dict:
     `dimensions_per_block=2` for AH. ScaNN leaves the leaves searched and the reordering depth to
     the user; the defaults here, 5% of the leaves and 100 candidates, are the proportions of the
     ScaNN README's example (100 of 2,000 leaves, reorder 100). On 200k clustered 768-d vectors
-    (benchmarks/index.py) they give recall@10 0.99; half the leaves gives 0.96.
+    (benchmarks/index.py) they give recall@10 0.99; half the leaves gives 0.96. `tune` raises
+    them on held-out queries where they miss a recall target.
+
+    From `SAMPLE_BUILD_MIN` vectors the build trains on a sample ("build": "sample"): at least
+    ScaNN's 100k, and 64 points per leaf (k-means needs tens of points a centre; at 21M,
+    4,584 leaves: 293k points, 900 MB of float32 at 768-d), at most `count`.
 
     Returns:
       {"scoring": "brute_force" | "ah", "num_leaves": int (0: no tree), "num_leaves_to_search",
-       "training_sample_size", "reorder": int (0: no reordering)}.
+       "training_sample_size", "reorder": int (0: no reordering), "build": "whole" | "sample"}.
     """
     if count < 20_000:
         return {
@@ -43,14 +72,18 @@ def scann_defaults(count: int) -> dict:
             "num_leaves_to_search": 0,
             "training_sample_size": count,
             "reorder": 0,
+            "build": "whole",
         }
     num_leaves = round(math.sqrt(count)) if count >= 100_000 else 0
+    sample = count >= SAMPLE_BUILD_MIN
     return {
         "scoring": "ah",
         "num_leaves": num_leaves,
         "num_leaves_to_search": max(1, math.ceil(num_leaves * 0.05)) if num_leaves else 0,
-        "training_sample_size": min(count, 100_000),  # ScaNN's builder default
+        # ScaNN's builder default, or 64 points a leaf when training on a sample
+        "training_sample_size": min(count, max(100_000, 64 * num_leaves if sample else 0)),
         "reorder": 100,
+        "build": "sample" if sample else "whole",
     }
 
 
@@ -58,11 +91,18 @@ class ScannIndex(Index):
     """Approximate maximum inner product search with ScaNN (`scann` 1.4).
 
     Scores: with exact reordering (the default whenever AH scoring is used) or brute-force scoring,
-    the returned scores are float32 dot products recomputed against the stored float32 vectors, so
+    the returned scores are float32 dot products recomputed against the stored vectors (ScaNN's
+    float32 copy, or, for a sample-trained build, the stored float16/bfloat16/float32 rows), so
     they match `ExactIndex` up to float rounding; with `reorder=0` they are the AH approximations.
     Which ids come back is approximate (recall < 1), except with brute-force scoring.
 
     Build with `ScannIndex.build`; the constructor wraps an existing searcher.
+
+    Attributes:
+      searcher: ScaNN's searcher.
+      config: the settings (`scann_defaults`' fields and the AH ones).
+      vectors: [C, D] stored vectors a sample-trained index rescores against (None otherwise).
+      ids: [C] int64, passage id of each searcher row of a sample-trained index (None otherwise).
     """
 
     kind = "scann"
@@ -74,12 +114,18 @@ class ScannIndex(Index):
         count: int,
         dim: int,
         config: dict,
+        vectors: np.ndarray | None = None,
+        ids: np.ndarray | None = None,
         encoder_fingerprint: str | None = None,
         corpus_checksum: str | None = None,
     ):
         self.searcher = searcher
         self.count, self.dim = int(count), int(dim)
         self.config = dict(config)
+        self.config.setdefault("build", "whole")  # folders written before sample builds
+        if (self.config["build"] == "sample") != (vectors is not None and ids is not None):
+            raise ValueError("a sample-trained ScaNN index needs its stored vectors and row ids")
+        self.vectors, self.ids = vectors, ids
         self.encoder_fingerprint = encoder_fingerprint
         self.corpus_checksum = corpus_checksum
 
@@ -97,16 +143,22 @@ class ScannIndex(Index):
         scoring: str | None = None,
         hash_type: str = "lut16",
         training_threads: int = 0,
+        build: str | None = None,
+        seed: int = 0,
         encoder_fingerprint: str | None = None,
         corpus_checksum: str | None = None,
     ) -> ScannIndex:
         """Trains a ScaNN searcher on `vectors`; every None takes `scann_defaults(C)`.
 
         Args:
-          vectors: [C, D] passage vectors (stored by ScaNN as float32).
+          vectors: [C, D] passage vectors. A "whole" build gives ScaNN a float32 copy; a "sample"
+            build reads them block by block and keeps a reference to rescore against, so pass
+            a memory-mapped array (`vectors.load_vectors`, `np.load(mmap_mode="r")`) to keep
+            them on disk.
           num_leaves: k-means partitions; 0 disables partitioning.
           num_leaves_to_search: partitions scanned per query (the main speed/recall knob).
-          training_sample_size: points sampled to train the partitioner and the AH codebooks.
+          training_sample_size: points sampled to train the partitioner and the AH codebooks
+            (a "sample" build draws them once, with `seed`, and ScaNN trains on all of them).
           dimensions_per_block: AH sub-space width (ScaNN recommends 2).
           anisotropic_quantization_threshold: AH loss weighting for inner products (ScaNN's
             score-aware quantisation); nan disables it.
@@ -115,12 +167,14 @@ class ScannIndex(Index):
           scoring: "ah" (asymmetric hashing) or "brute_force".
           hash_type: "lut16" (fast in-register lookups) or "lut256".
           training_threads: 0 uses every core.
+          build: "whole" or "sample" (train on a sample, add the rest in batches; AH only).
+          seed: draws a "sample" build's training sample.
           encoder_fingerprint: provenance string written to the manifest.
           corpus_checksum: provenance string written to the manifest.
         """
         import scann  # here, not at the top: scann ships Linux wheels only; the rest runs anywhere
 
-        vectors = np.ascontiguousarray(check_vectors(vectors), dtype=np.float32)
+        vectors = check_vectors(vectors)
         count, dim = vectors.shape
         config = scann_defaults(count)
         if num_leaves:  # a tree asked for on a corpus of any size searches 5% of it by default
@@ -131,6 +185,7 @@ class ScannIndex(Index):
             "training_sample_size": training_sample_size,
             "reorder": reorder,
             "scoring": scoring,
+            "build": build,
         }
         config |= {key: value for key, value in given.items() if value is not None}
         if reorder is None:  # ScaNN: rescoring is "highly recommended" whenever AH scores
@@ -143,13 +198,24 @@ class ScannIndex(Index):
         }
         if config["scoring"] not in ("ah", "brute_force"):
             raise ValueError(f"scoring must be 'ah' or 'brute_force', got {config['scoring']!r}")
+        if config["build"] not in ("whole", "sample"):
+            raise ValueError(f"build must be 'whole' or 'sample', got {config['build']!r}")
+        if config["build"] == "sample" and config["scoring"] != "ah":
+            raise ValueError("build='sample' needs scoring='ah' (brute force keeps every vector)")
         if config["num_leaves"] and not 1 <= config["num_leaves_to_search"] <= config["num_leaves"]:
             raise ValueError(
                 f"num_leaves_to_search={config['num_leaves_to_search']} must be in "
                 f"[1, num_leaves={config['num_leaves']}]"
             )
+        sample = config["build"] == "sample"
+        if sample:
+            rng = np.random.default_rng(seed)
+            sample_ids = np.sort(rng.choice(count, config["training_sample_size"], replace=False))
+            data = _gather(vectors, sample_ids)  # -> [sample, D] float32
+        else:
+            data = np.ascontiguousarray(vectors, dtype=np.float32)
         # ScaNN wants a default k at build time; `search` always passes its own.
-        builder = scann.scann_ops_pybind.builder(vectors, 10, "dot_product")
+        builder = scann.scann_ops_pybind.builder(data, 10, "dot_product")
         if config["num_leaves"]:
             builder = builder.tree(
                 config["num_leaves"],
@@ -160,26 +226,71 @@ class ScannIndex(Index):
             builder = builder.score_ah(
                 dimensions_per_block,
                 anisotropic_quantization_threshold,
-                training_sample_size=config["training_sample_size"],
+                training_sample_size=min(config["training_sample_size"], 100_000),
                 hash_type=hash_type,
             )
         else:
             builder = builder.score_brute_force()
-        if config["reorder"]:
+        if config["reorder"] and not sample:  # a sample build rescores from `vectors` itself
             builder = builder.reorder(config["reorder"])
         builder.set_n_training_threads(training_threads)
+        searcher = builder.build()
+        del data
         provenance = {
             "encoder_fingerprint": encoder_fingerprint,
             "corpus_checksum": corpus_checksum,
         }
-        return cls(builder.build(), count=count, dim=dim, config=config, **provenance)
+        if not sample:
+            return cls(searcher, count=count, dim=dim, config=config, **provenance)
+        ids = _add_the_rest(searcher, vectors, sample_ids)
+        return cls(
+            searcher, count=count, dim=dim, config=config, vectors=vectors, ids=ids, **provenance
+        )
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the serialised searcher (vectors, codes, codebooks, partitioner)."""
+        """Bytes of the serialised index (ScaNN's files, plus a sample build's vectors and ids)."""
         with tempfile.TemporaryDirectory() as tmp:
             self.searcher.serialize(tmp, True)
-            return sum(os.path.getsize(os.path.join(tmp, name)) for name in os.listdir(tmp))
+            size = sum(os.path.getsize(os.path.join(tmp, name)) for name in os.listdir(tmp))
+        if self.vectors is not None:
+            size += self.vectors.nbytes + self.ids.nbytes
+        return size
+
+    def with_search_settings(
+        self, *, num_leaves_to_search: int | None = None, reorder: int | None = None
+    ) -> ScannIndex:
+        """The same searcher with other query-time defaults (a new index; this one is unchanged).
+
+        Raises:
+          ValueError: leaves outside [1, num_leaves], or a reordering depth ScaNN cannot change
+            (a "whole" build without reordering keeps no float vectors to rescore against).
+        """
+        config = dict(self.config)
+        if num_leaves_to_search is not None:
+            if not 1 <= num_leaves_to_search <= max(1, config["num_leaves"]):
+                raise ValueError(
+                    f"num_leaves_to_search={num_leaves_to_search} must be in "
+                    f"[1, num_leaves={config['num_leaves']}]"
+                )
+            config["num_leaves_to_search"] = int(num_leaves_to_search)
+        if reorder is not None:
+            if reorder and not config["reorder"] and config["build"] == "whole":
+                raise ValueError("this index was built without reordering; build it with reorder")
+            config["reorder"] = int(reorder)
+        provenance = {
+            "encoder_fingerprint": self.encoder_fingerprint,
+            "corpus_checksum": self.corpus_checksum,
+        }
+        return ScannIndex(
+            self.searcher,
+            count=self.count,
+            dim=self.dim,
+            config=config,
+            vectors=self.vectors,
+            ids=self.ids,
+            **provenance,
+        )
 
     def search(
         self,
@@ -206,11 +317,18 @@ class ScannIndex(Index):
         queries = self._check_queries(queries)
         k = self._check_k(k)
         depth = self.config["reorder"] if reorder is None else reorder
+        if leaves_to_search is None and self.config["num_leaves"]:
+            leaves_to_search = self.config["num_leaves_to_search"]
+        sample = self.config["build"] == "sample"
+        # A sample build's searcher has no reordering: asked for `depth` neighbours, it returns
+        # the best `depth` by AH score, rescored below.
+        final = max(depth, k) if sample else k
+        pre = None if sample or not depth else max(depth, k)
         # Mini-batches spread over the cores, as BLAS and faiss spread a batch.
-        ids, scores = self.searcher.search_batched_parallel(
+        rows, scores = self.searcher.search_batched_parallel(
             queries,
-            k,
-            max(depth, k) if depth else None,
+            final,
+            pre,
             leaves_to_search,
             batch_size=-(-len(queries) // (os.cpu_count() or 1)),
         )
@@ -224,32 +342,155 @@ class ScannIndex(Index):
                 f"{leaves_to_search or self.config['num_leaves_to_search']} of "
                 f"{self.config['num_leaves']}); search more leaves or lower k"
             )
-        return scores.astype(np.float32, copy=False), ids.astype(np.int64)
+        if not sample:
+            return scores.astype(np.float32, copy=False), rows.astype(np.int64)
+        ids = self.ids[rows]  # -> [B, final]
+        if depth:
+            scores = self._rescore(queries, ids, np.isfinite(scores))
+        return _best(scores.astype(np.float32, copy=False), ids, k)
+
+    def _rescore(self, queries: np.ndarray, ids: np.ndarray, valid: np.ndarray) -> np.ndarray:
+        """float32 dot products of `queries` [B, D] with the stored rows `ids` [B, R] -> [B, R];
+        -inf where not `valid` (ScaNN's padding)."""
+        scores = np.full(ids.shape, -np.inf, np.float32)
+        for start in range(0, len(ids), _GATHER_QUERIES):
+            block = ids[start : start + _GATHER_QUERIES]
+            rows = _gather(self.vectors, block.ravel()).reshape(*block.shape, self.dim)
+            part = np.einsum("bd,brd->br", queries[start : start + _GATHER_QUERIES], rows)
+            scores[start : start + _GATHER_QUERIES] = part  # -> [b, R]
+        return np.where(valid, scores, -np.inf)
 
     def save(self, directory: str) -> None:
-        """Writes ScaNN's serialised searcher and `manifest.json` to `directory`."""
+        """Writes ScaNN's serialised searcher and `manifest.json` to `directory` (and, for a
+        sample-trained index, `vectors.bin` and `ids.npy`, written block by block)."""
 
-        # Relative asset paths, so the folder can be moved or copied.
-        write_fn = lambda tmp: self.searcher.serialize(tmp, True)
+        def write_fn(tmp):
+            # Relative asset paths, so the folder can be moved or copied.
+            self.searcher.serialize(tmp, True)
+            if self.vectors is not None:
+                with open(os.path.join(tmp, VECTORS), "wb") as f:
+                    rows = max(1, files.IO_BLOCK // (self.dim * self.vectors.itemsize))
+                    for start in range(0, self.count, rows):
+                        block = np.ascontiguousarray(self.vectors[start : start + rows])
+                        little = block.astype(block.dtype.newbyteorder("<"), copy=False)
+                        files.write_bytes(f, little.view(np.uint8))
+                np.save(os.path.join(tmp, _IDS), self.ids.astype("<i8", copy=False))
+
+        dtype = "float32" if self.vectors is None else self.vectors.dtype.name
         files.swap_dir(
-            directory, write_fn, new_manifest(self, "float32", scann=self.config), what="index"
+            directory, write_fn, new_manifest(self, dtype, scann=self.config), what="index"
         )
 
     @classmethod
     def load(cls, directory: str, expect: dict | None = None, *, verify: bool = True) -> ScannIndex:
-        """Reads an index written by `ScannIndex.save`; see `ExactIndex.load` for the arguments."""
+        """Reads an index written by `ScannIndex.save`; see `ExactIndex.load` for the arguments.
+        A sample-trained index's vectors are memory-mapped, not read."""
         import scann
 
         directory = os.fspath(directory)
         manifest = read_manifest(directory, expect, kinds=("scann",))
         for name, record in manifest["files"].items():  # before ScaNN's reader meets a bad file
-            files.check_file(
-                os.path.join(directory, name), record, verify=verify, what="index file"
-            )
+            if name != VECTORS:  # load_vectors checks it
+                files.check_file(
+                    os.path.join(directory, name), record, verify=verify, what="index file"
+                )
+        vectors = ids = None
+        if manifest["scann"].get("build") == "sample":
+            _, vectors = load_vectors(directory, expect, verify, kinds=("scann",), mmap=True)
+            ids = np.load(os.path.join(directory, _IDS))
+            if ids.shape != (manifest["count"],) or ids.dtype != np.int64:
+                raise ValueError(
+                    f"{os.path.join(directory, _IDS)} holds {ids.dtype} {ids.shape}, not the "
+                    f"int64 [{manifest['count']}] row ids its manifest needs"
+                )
         return cls(
             scann.scann_ops_pybind.load_searcher(directory),
             count=manifest["count"],
             dim=manifest["dim"],
             config=manifest["scann"],
+            vectors=vectors,
+            ids=ids,
             **provenance(manifest),
         )
+
+
+def tune(
+    ix: ScannIndex, queries, true_ids: np.ndarray, *, recall: float = 0.95, k: int = 10
+) -> tuple[ScannIndex, float]:
+    """The cheapest of a ladder of query-time settings reaching `recall`@k on held-out queries.
+
+    Leaves searched rise from the index's own through 1.5x, 2x, 3x, 4x, 6x, 8x (capped at all
+    leaves), then the reordering depth doubles at 8x; the first setting whose recall@k against
+    `true_ids` (exact search's) reaches `recall` is kept. Without a tree, the depth alone rises.
+
+    Args:
+      ix: the index, whose settings are the ladder's first rung.
+      queries: [Q, D] held-out queries (not rows of the index).
+      true_ids: [Q, k] exact top-k ids of `queries`.
+      recall: the target.
+      k: neighbours per query.
+
+    Returns:
+      (the index with the settings reached, `ScannIndex.with_search_settings`; its recall@k).
+      When no rung reaches `recall`, the best one, whose recall says so.
+    """
+    leaves, depth = ix.config["num_leaves_to_search"], ix.config["reorder"]
+    if ix.config["num_leaves"]:
+        ladder = [(min(round(leaves * f), ix.config["num_leaves"]), depth) for f in _LEAF_STEPS]
+        ladder += [(ladder[-1][0], 2 * depth), (ladder[-1][0], 4 * depth)]
+    else:
+        ladder = [(None, depth * f) for f in (1, 2, 4, 8)]
+    best = (None, -1.0)
+    for leaves, depth in dict.fromkeys(ladder):  # in order, each once
+        candidate = ix.with_search_settings(num_leaves_to_search=leaves, reorder=depth)
+        got = recall_at_k(candidate.search(queries, k)[1], true_ids)
+        if got > best[1]:
+            best = (candidate, got)
+        if got >= recall:
+            break
+    return best
+
+
+def recall_at_k(ids: np.ndarray, true_ids: np.ndarray) -> float:
+    """Mean fraction of each row's true ids found among its returned ids; both [Q, k]."""
+    return float(np.mean([len(set(a) & set(b)) / len(b) for a, b in zip(ids, true_ids)]))
+
+
+def _gather(vectors: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """Rows `ids` [R] of `vectors` as float32 [R, D], read in sorted order (a memory-mapped file
+    is then read forward, and each page once)."""
+    order = np.argsort(ids, kind="stable")
+    out = np.empty((len(ids), vectors.shape[1]), np.float32)
+    out[order] = vectors[ids[order]]
+    return out
+
+
+def _add_the_rest(searcher, vectors: np.ndarray, sample_ids: np.ndarray) -> np.ndarray:
+    """Adds every row of `vectors` not in `sample_ids` to `searcher` (whose rows are the sample),
+    `ADD_BATCH` rows per call, reading the rows block by block; returns the [C] passage id of each
+    searcher row."""
+    count = len(vectors)
+    rest = np.ones(count, bool)
+    rest[sample_ids] = False
+    searcher.reserve(count)
+    for start in range(0, count, ADD_BATCH):
+        keep = rest[start : start + ADD_BATCH]
+        block = np.asarray(vectors[start : start + ADD_BATCH])[keep].astype(np.float32)
+        if len(block):
+            # None: a new row (ScaNN appends it); the raw searcher, since the Python wrapper
+            # insists on string docids for updates.
+            searcher.searcher.upsert([None] * len(block), block, 4096)
+    ids = np.concatenate([sample_ids, np.flatnonzero(rest)]).astype(np.int64)
+    if searcher.size() != count:
+        raise RuntimeError(f"ScaNN holds {searcher.size()} vectors after adding {count}")
+    return ids
+
+
+def _best(scores: np.ndarray, ids: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """The k best of each row of (scores, ids) [B, R]: descending score, lower id first."""
+    order = np.lexsort((ids, -scores), axis=1)[:, :k]
+    return np.take_along_axis(scores, order, axis=1), np.take_along_axis(ids, order, axis=1)
+
+
+_LEAF_STEPS = (1, 1.5, 2, 3, 4, 6, 8)
+_IDS = "ids.npy"
