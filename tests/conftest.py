@@ -14,8 +14,10 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+import gc  # noqa: E402
 import pathlib  # noqa: E402
 import subprocess  # noqa: E402
+import sys  # noqa: E402
 
 import pytest  # noqa: E402
 
@@ -48,6 +50,22 @@ def mesh():
             reason=f"needs {FAKE_DEVICES} devices (see conftest.py); got {jax.device_count()}"
         )
     return sharding.data_mesh()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _release_compiled_programs():
+    """After each test file, JAX's compiled programs and traces are dropped and the freed heap
+    returned to the kernel: a worker runs many files, and their programs (kept alive by
+    module-level jitted functions) had grown each of two workers past 7 GB of the machine's 24."""
+    yield
+    jax = sys.modules.get("jax")
+    if jax is None:
+        return
+    jax.clear_caches()
+    gc.collect()
+    from rag_jax.devices import host
+
+    host.release_free_memory()
 
 
 @pytest.fixture(scope="session")
