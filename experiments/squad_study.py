@@ -40,7 +40,7 @@ import time
 import numpy as np
 
 import feedback_study
-from rag_jax.devices import distributed, host
+from rag_jax.devices import distributed, host, preemption
 from rag_jax.retrieval import files
 from rag_jax.retrieval.index import ExactIndex
 from rag_jax.run import paired, settings
@@ -147,6 +147,8 @@ def fill_memo(base, out: pathlib.Path) -> dict:
     only what is missing. Returns (and writes to `out/memo_fill.json`) the counts and time."""
     config = feedback_study.row_config(base, PDIST, str(out / "cache"))
     start = time.perf_counter()
+    # A SIGTERM during the warm starts, the encoding or the fill saves what they did (Preempted).
+    preemption.install_preemption_handler()
     exp = experiment.build(config, out / "memo_fill")
     batcher = Batcher(exp, loop.device_mesh(config))
     prompts, answers = batcher.memo_pairs(exp.params, exp.train, exp.retriever)
@@ -314,7 +316,11 @@ def main(argv=None):
     if args.fill_memo:  # the seeds share the initial model (init_seed): one fill serves them
         base = settings.override(CONFIGS[args.config].get_config(args.variant), {"seed": seeds[0]})
         base.retrieval.cache_dir = str(out / "index_cache")
-        print(json.dumps({"memo_fill": fill_memo(base, out)}), flush=True)
+        try:
+            print(json.dumps({"memo_fill": fill_memo(base, out)}), flush=True)
+        except preemption.Preempted as stopped:
+            print(f"memo fill stopped: {stopped}; the same command resumes", flush=True)
+            return
     for seed in seeds:
         config = CONFIGS[args.config].get_config(args.variant)
         base = settings.override(config, {"seed": seed})

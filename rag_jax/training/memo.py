@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from rag_jax import causal, causal_prefix, rag_math
+from rag_jax.devices import preemption
 from rag_jax.retrieval import encode, files
 from rag_jax.retrieval.tokenizer_id import tokenizer_fingerprint
 
@@ -331,6 +332,12 @@ class AnswerMemo(MemoFile):
             if now - saved >= save_every_s:
                 self.save()
                 saved = now
+            if preemption.should_stop():
+                self.save()
+                raise preemption.Preempted(
+                    f"stopped filling the answer memo after {done} of {len(missing)} pairs; "
+                    f"they are saved in {self.path} and the same call computes only the rest"
+                )
         self.save()
         if progress is not None:
             progress(_progress_line(done, len(missing), time.monotonic() - start))

@@ -3,6 +3,8 @@ full forward pass (`memo.pair_logprobs`) and to transformers' LlamaForCausalLM; 
 filled through them (a batch's `logprobs`, a study's `fill`) holds the full pass's values under
 the same keys; a second fill of same-shaped groups compiles nothing."""
 
+import threading
+
 import jax
 import numpy as np
 import pytest
@@ -10,6 +12,7 @@ import torch
 
 import hf_fixtures
 from rag_jax import causal_prefix, rag
+from rag_jax.devices import preemption
 from rag_jax.io import hf
 from rag_jax.models import bert, llama
 from rag_jax.training import memo
@@ -253,3 +256,27 @@ def test_a_second_fill_of_same_shaped_groups_does_not_recompile(tmp_path):
     assert traces["prefix"] >= 1 and traces["rows"] >= 1
     assert fill(1, "second") == 12  # other tokens, the same lengths and sharing
     assert causal_prefix.trace_counts() == traces
+
+
+def test_a_stop_during_the_fill_saves_what_it_computed_and_the_rerun_does_the_rest(
+    tmp_path, monkeypatch
+):
+    """A SIGTERM (the preemption flag) during a fill saves the pairs computed so far and raises
+    Preempted; the same fill afterwards computes only the others (a study's memo fill had lost
+    its work to a SIGTERM)."""
+    monkeypatch.setattr(causal_prefix, "ROWS_PER_CALL", 4)  # 12 pairs: several calls
+    monkeypatch.setattr(preemption, "_STOP_REQUESTED", threading.Event())
+    params = llama.init_params(G_CFG, jax.random.PRNGKey(1))
+    cfg, tok = _rag_cfg(n_docs=4), _tokenizer()
+    prompts, _, _, labels = _batch()
+    answers = [labels[r // 4] for r in range(12)]
+    answer_memo = memo.AnswerMemo(cfg, params, tok, tmp_path)
+    preemption._STOP_REQUESTED.set()
+    with pytest.raises(preemption.Preempted, match=r"after \d+ of 12 pairs"):
+        answer_memo.fill(params, prompts, answers, progress=None, save_every_s=1e9)
+    kept = len(memo.AnswerMemo(cfg, params, tok, tmp_path))
+    assert 0 < kept < 12
+    preemption._STOP_REQUESTED.clear()
+    resumed = memo.AnswerMemo(cfg, params, tok, tmp_path)
+    assert resumed.fill(params, prompts, answers, progress=None) == 12 - kept
+    assert len(memo.AnswerMemo(cfg, params, tok, tmp_path)) == 12
