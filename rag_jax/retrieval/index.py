@@ -221,3 +221,17 @@ def load(
     if kind == "exact":
         return ExactIndex.load(directory, expect, verify=verify, mmap=mmap)
     return ScannIndex.load(directory, expect, verify=verify)
+
+
+def build_and_save(vectors, kind: str, directory: str, **provenance) -> Index:
+    """Builds the host index of `kind` ("exact" or "scann") over `vectors` ([C, D]) with their
+    provenance (`encoder_fingerprint`, `corpus_checksum`), saves it to `directory` (loadable
+    with `load`) and returns it."""
+    if kind == "exact":
+        built = ExactIndex(vectors, **provenance)
+    elif kind == "scann":
+        built = ScannIndex.build(vectors, **provenance)
+    else:
+        raise ValueError(f"kind must be 'exact' or 'scann', got {kind!r}")
+    built.save(str(directory))
+    return built

@@ -42,7 +42,7 @@ import re
 import ml_dtypes
 import numpy as np
 
-from rag_jax.retrieval import files, index, scann_index
+from rag_jax.retrieval import files, index
 from rag_jax.retrieval.store import PassageStore
 from rag_jax.retrieval.vectors import FORMAT, NPY_DTYPES, VERSION, load_vectors, shard_name
 
@@ -453,11 +453,7 @@ def index_from_vectors(
         "corpus_checksum": store.checksum,
     }
     vectors = load_vectors(out_dir / "vectors", expect=provenance)
-    if kind == "exact":
-        ix = index.ExactIndex(vectors, **provenance)
-    else:
-        ix = scann_index.ScannIndex.build(vectors, **provenance)
-    ix.save(str(out_dir / "index"))
+    index.build_and_save(vectors, kind, out_dir / "index", **provenance)
     return {
         "vectors": str(out_dir / "vectors"),
         "index": str(out_dir / "index"),

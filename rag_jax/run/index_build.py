@@ -15,7 +15,7 @@ import shutil
 import socket
 
 from rag_jax.io import hf
-from rag_jax.retrieval import corpus, encode, index, ingest, scann_index
+from rag_jax.retrieval import corpus, encode, index, ingest
 from rag_jax.retrieval.encode import DEFAULT_MAX_LENGTH, encode_corpus
 from rag_jax.retrieval.store import PassageStore
 from rag_jax.retrieval.vectors import load_vectors
@@ -125,11 +125,7 @@ def build_index(
         "corpus_checksum": store.checksum,
     }
     vectors = load_vectors(out_dir / "vectors", expect=provenance)
-    if kind == "exact":
-        ix = index.ExactIndex(vectors, **provenance)
-    else:
-        ix = scann_index.ScannIndex.build(vectors, **provenance)
-    ix.save(str(out_dir / "index"))
+    index.build_and_save(vectors, kind, out_dir / "index", **provenance)
     return {
         "passages": str(out_dir / "passages"),
         "vectors": str(out_dir / "vectors"),
