@@ -30,7 +30,7 @@ import hf_fixtures
 from experiments.configs import default as default_config
 from rag_jax.devices import preemption
 from rag_jax.io import hf
-from rag_jax.retrieval import encode, files, index
+from rag_jax.retrieval import encode, encoder_id, files, index
 from rag_jax.retrieval.corpus import Passage
 from rag_jax.retrieval.store import PassageStore
 from rag_jax.retrieval.vectors import load_vectors
@@ -503,7 +503,7 @@ def test_index_from_another_corpus_or_encoder_is_refused_naming_the_field(built,
     def expect(store, cfg, params):
         return {
             "corpus_checksum": store.checksum,
-            "encoder_fingerprint": encode.encoder_fingerprint(cfg, params),
+            "encoder_fingerprint": encoder_id.encoder_fingerprint(cfg, params),
         }
 
     for kind in ("index", "scann"):  # the matching corpus and encoder load

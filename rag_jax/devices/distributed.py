@@ -22,7 +22,10 @@ every function here is the plain single-host operation, with no communication.
 Legend: B batch (global unless named `local_`), blocks the processes feeding a batch.
 """
 
+import hashlib
+import json
 import os
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -339,3 +342,58 @@ def max_over_processes(value: int) -> int:
     if jax.process_count() == 1:
         return int(value)
     return int(np.asarray(multihost_utils.process_allgather(np.int32(value))).max())
+
+
+def process_shards(todo: Sequence[int], process: int, processes: int) -> list[int]:
+    """The shards of a job one process of a multi-host run does (a corpus encoding's): every
+    `processes`-th unfinished one.
+
+    Dealt round-robin over the shards still to do (not over all shards), so that a re-run after
+    a killed process spreads what is left over every process again; all processes read the
+    same manifest, so they deal alike.
+
+    Args:
+      todo: ascending indices of the shards not yet finished.
+      process, processes: `jax.process_index()`, `jax.process_count()`.
+
+    Returns:
+      `todo[process::processes]`.
+    """
+    if not 0 <= process < processes:
+        raise ValueError(f"process {process} is not one of {processes} processes")
+    return list(todo)[process::processes]
+
+
+def on_every_process(ok: bool) -> bool:
+    """Whether `ok` holds on every process: a collective, hence a barrier, on several."""
+    if jax.process_count() == 1:
+        return ok
+    return max_over_processes(int(not ok)) == 0
+
+
+def check_same_everywhere(record: dict, what: str) -> None:
+    """Raises on every process unless `record` (JSON) is the same on every process; a
+    collective. `what` says what differs, e.g. "encode another run than process 0 (...)"."""
+    digest = hashlib.sha256(json.dumps(record, sort_keys=True).encode("utf-8")).digest()
+    digests = np.asarray(
+        multihost_utils.process_allgather(np.frombuffer(digest, np.uint8).astype(np.int32))
+    )  # -> [processes, 32]
+    differing = [p for p in range(len(digests)) if not np.array_equal(digests[p], digests[0])]
+    if differing:
+        raise ValueError(f"processes {differing} {what}")
+
+
+def on_process_zero(fn, what: str):
+    """Runs `fn()` on process 0 alone (None elsewhere) and raises on every process if it fails,
+    so that no process is left waiting at a collective for one that gave up."""
+    error, result = None, None
+    if jax.process_index() == 0:
+        try:
+            result = fn()
+        except Exception as e:  # noqa: BLE001 - re-raised below, after the others learn of it
+            error = e
+    if not on_every_process(error is None):
+        if error is not None:
+            raise error
+        raise RuntimeError(f"process 0 failed to {what}; its log says why")
+    return result

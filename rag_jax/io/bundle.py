@@ -67,7 +67,7 @@ class Bundle(answers.Answering):
 
     Attributes:
       rag_cfg: the RAG config (its `generation` holds the decoding defaults).
-      fingerprint: the passage encoder's (`encode.encoder_fingerprint`), its index's provenance.
+      fingerprint: the passage encoder's (`encoder_id.encoder_fingerprint`), its index's provenance.
       encoder: the passage tower and how it reads passages (`edit` encodes with it).
       question_tokenizer, generator_tokenizer: the two tokenizers.
       settings: the answering defaults.

@@ -29,16 +29,15 @@ the same way, produces byte-identical files.
 
 Several hosts (`encode_corpus` under `jax.distributed`): each process encodes with its own
 devices (`data_mesh`, B rows per call on each process) the unfinished shards dealt to it
-round-robin (`process_shards`); process 0 alone writes the manifest, before (the run's fields)
-and after (every shard, from the record files the processes wrote, `vectors.write_record`), with
-a barrier between. The finished directory is the one a single process writes; its shards are
-byte-identical to it when the processes' meshes have the single process's device count.
+round-robin (`distributed.process_shards`); process 0 alone writes the manifest, before (the
+run's fields) and after (every shard, from the record files the processes wrote,
+`vectors.write_record`), with a barrier between. The finished directory is the one a single
+process writes; its shards are byte-identical to it when the processes' meshes have the single
+process's device count.
 """
 
 import dataclasses
 import functools
-import hashlib
-import json
 import pathlib
 from collections.abc import Sequence
 
@@ -46,75 +45,18 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from rag_jax.devices import distributed
 from rag_jax.models import bert, layers
 from rag_jax.retrieval import vectors
+from rag_jax.retrieval.encoder_id import encoder_fingerprint
 from rag_jax.retrieval.files import DTYPES
 from rag_jax.retrieval.tokenizer_id import tokenizer_fingerprint
 
 DEFAULT_MAX_LENGTH = 256
 INPUT_FORMATS = ("pair", "single")
-# BertConfig fields added after the first index format, with the values they had before.
-_LATER_FIELDS = {
-    "pooling": "cls",
-    "normalize": False,
-    # BartConfig's (a generator's fingerprint keys its reader warm start).
-    "encoder_layerdrop": 0.0,
-    "decoder_layerdrop": 0.0,
-    "frozen_encoder_layers": 0,
-}
-# BertConfig fields that change how the encoder runs, not what it computes.
-_RUNTIME_FIELDS = (
-    "dtype",
-    "param_dtype",
-    "remat",
-    "remat_policy",
-    "hidden_dropout_prob",
-    "attention_probs_dropout_prob",
-    "initializer_range",
-)
-
-
-# ---------------------------------------------------------------------------------------------
-# Identity
-
-
-def encoder_fingerprint(cfg: bert.BertConfig, params) -> str:
-    """sha256 of the encoder's architecture and parameter bytes: which function it computes.
-
-    Covers every `BertConfig` field except those that only change how it runs (compute dtype,
-    remat, dropout, init); then, in sorted path order, each parameter's path, dtype, shape and
-    little-endian bytes. The compute dtype is recorded beside it in the vectors manifest.
-
-    Args:
-      cfg: the encoder's config.
-      params: its parameter tree (numpy or fully addressable jax arrays).
-
-    Returns:
-      64 hex digits.
-    """
-    sha = hashlib.sha256()
-    arch = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in _RUNTIME_FIELDS}
-    # Fields added since the first index format count only when they change the function, so
-    # that an index encoded before they existed still matches its encoder.
-    for name, default in _LATER_FIELDS.items():
-        if arch.get(name) == default:
-            del arch[name]
-    sha.update(json.dumps(arch, sort_keys=True).encode("utf-8"))
-    leaves = jax.tree_util.tree_flatten_with_path(params)[0]
-    for path, leaf in sorted(leaves, key=lambda item: jax.tree_util.keystr(item[0])):
-        value = np.asarray(leaf)
-        value = np.ascontiguousarray(value, dtype=value.dtype.newbyteorder("<"))
-        header = f"{jax.tree_util.keystr(path)}|{value.dtype.name}|{value.shape}\n"
-        sha.update(header.encode("utf-8"))
-        sha.update(value.tobytes())
-    return sha.hexdigest()
-
-
 # ---------------------------------------------------------------------------------------------
 # Tokenisation and batching
 
@@ -481,47 +423,6 @@ def _encode_rows(store, start, stop, window, cfg, params, tokenizer, setup, bar)
     return out
 
 
-def process_shards(todo: Sequence[int], process: int, processes: int) -> list[int]:
-    """The shards one process of a multi-host run encodes: every `processes`-th unfinished one.
-
-    Dealt round-robin over the shards still to do (not over all shards), so that a re-run after
-    a killed process spreads what is left over every process again; all processes read the
-    same manifest, so they deal alike.
-
-    Args:
-      todo: ascending indices of the shards not yet finished.
-      process, processes: `jax.process_index()`, `jax.process_count()`.
-
-    Returns:
-      `todo[process::processes]`.
-    """
-    if not 0 <= process < processes:
-        raise ValueError(f"process {process} is not one of {processes} processes")
-    return list(todo)[process::processes]
-
-
-def _on_every_process(ok: bool) -> bool:
-    """Whether `ok` holds on every process: a collective, hence a barrier, on several."""
-    if jax.process_count() == 1:
-        return ok
-    return distributed.max_over_processes(int(not ok)) == 0
-
-
-def _check_same_run(manifest: dict) -> None:
-    """Raises on every process unless every process encodes the same run (arguments, encoder
-    parameters, corpus); a collective."""
-    digest = hashlib.sha256(json.dumps(manifest, sort_keys=True).encode("utf-8")).digest()
-    digests = np.asarray(
-        multihost_utils.process_allgather(np.frombuffer(digest, np.uint8).astype(np.int32))
-    )  # -> [processes, 32]
-    differing = [p for p in range(len(digests)) if not np.array_equal(digests[p], digests[0])]
-    if differing:
-        raise ValueError(
-            f"processes {differing} encode another run than process 0 (other arguments, "
-            "encoder parameters or corpus); every process must call encode_corpus alike"
-        )
-
-
 def _fold_records(out_dir: pathlib.Path, manifest: dict, overwrite: bool) -> set[int]:
     """`vectors.prepare_dir`, then the manifest written with every finished shard (record files
     included) and the record files deleted; returns the finished shards. Process 0's work."""
@@ -529,22 +430,6 @@ def _fold_records(out_dir: pathlib.Path, manifest: dict, overwrite: bool) -> set
     vectors.write_manifest(out_dir, manifest)
     vectors.remove_records(out_dir)  # after the manifest that lists them
     return done
-
-
-def _processes_run(fn, what: str):
-    """Runs `fn()` on process 0 alone (None elsewhere) and raises on every process if it fails,
-    so that no process is left waiting at a collective for one that gave up."""
-    error, result = None, None
-    if jax.process_index() == 0:
-        try:
-            result = fn()
-        except Exception as e:  # noqa: BLE001 - re-raised below, after the others learn of it
-            error = e
-    if not _on_every_process(error is None):
-        if error is not None:
-            raise error
-        raise RuntimeError(f"process 0 failed to {what}; its log says why")
-    return result
 
 
 def encode_corpus(
@@ -570,8 +455,8 @@ def encode_corpus(
     On a multi-host job (`jax.process_count()` > 1) every process calls it with the same
     arguments and `out_dir` on a filesystem they all see (NFS, a GCS mount): process 0 prepares
     the directory and writes the manifest; each process encodes its share of the unfinished
-    shards (`process_shards`) with its own devices (`data_mesh`), writing each shard and its
-    record (`vectors.write_record`); after a barrier process 0 folds the records into the
+    shards (`distributed.process_shards`) with its own devices (`data_mesh`), writing each shard
+    and its record (`vectors.write_record`); after a barrier process 0 folds the records into the
     manifest. A killed process leaves its finished shards recorded: a re-run, with any number of
     processes, encodes only what is missing and ends with the files a one-process run writes
     (the shards byte for byte when each process's mesh has as many devices as the one process's:
@@ -638,9 +523,13 @@ def encode_corpus(
     }
     process, processes = jax.process_index(), jax.process_count()
     if processes > 1:
-        _check_same_run(manifest)
+        distributed.check_same_everywhere(
+            manifest,
+            "encode another run than process 0 (other arguments, encoder parameters or corpus); "
+            "every process must call encode_corpus alike",
+        )
     header = {k: v for k, v in manifest.items() if k != "shards"}
-    _processes_run(
+    distributed.on_process_zero(
         lambda: _fold_records(out_dir, manifest, overwrite), f"prepare the vectors in {out_dir}"
     )
     if process > 0:  # the manifest process 0 wrote: on a shared filesystem, the same file
@@ -649,17 +538,19 @@ def encode_corpus(
         except (OSError, ValueError):
             written = None
         shared = written is not None and all(written.get(k) == v for k, v in header.items())
-        if not _on_every_process(shared):
+        if not distributed.on_every_process(shared):
             raise ValueError(
                 f"process {process} does not see the manifest process 0 wrote in {out_dir}: "
                 "the vectors directory must be on a filesystem every process shares"
             )
         manifest = {**header, "shards": written["shards"]}
     elif processes > 1:
-        _on_every_process(True)
+        distributed.on_every_process(True)
     done = {s["index"] for s in manifest["shards"]}
     num_shards = -(-count // shard_size)
-    todo = process_shards([s for s in range(num_shards) if s not in done], process, processes)
+    todo = distributed.process_shards(
+        [s for s in range(num_shards) if s not in done], process, processes
+    )
     params = _replicate(params, setup.mesh)
     rows = sum(min(count, (s + 1) * shard_size) - s * shard_size for s in todo)
     bar = tqdm(total=rows, unit="passage", disable=not progress, smoothing=0.1)
@@ -685,7 +576,7 @@ def encode_corpus(
         bar.close()
     if processes == 1:
         return manifest
-    if not _on_every_process(error is None):
+    if not distributed.on_every_process(error is None):
         if error is not None:
             raise error
         raise RuntimeError("another process failed to encode its shards; its log says why")
@@ -698,5 +589,5 @@ def encode_corpus(
             raise ValueError(f"{out_dir}: shards {missing[:10]} are missing after every process")
         return finished
 
-    _processes_run(finish, f"finish the manifest in {out_dir}")
+    distributed.on_process_zero(finish, f"finish the manifest in {out_dir}")
     return vectors.read_manifest(out_dir)

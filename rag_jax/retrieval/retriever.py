@@ -35,7 +35,7 @@ import numpy as np
 
 from rag_jax.devices import distributed, preemption, sharding
 from rag_jax.devices.progress import Eta
-from rag_jax.retrieval import encode, files
+from rag_jax.retrieval import encode, encoder_id, files
 from rag_jax.retrieval.device_index import DeviceIndex
 from rag_jax.retrieval.index import ExactIndex
 from rag_jax.retrieval.index_base import Index
@@ -339,8 +339,8 @@ class PassageEncoder:
 
     @property
     def fingerprint(self) -> str:
-        """The encoder's parameter fingerprint (`encode.encoder_fingerprint`)."""
-        return encode.encoder_fingerprint(self.cfg, self.params)
+        """The encoder's parameter fingerprint (`encoder_id.encoder_fingerprint`)."""
+        return encoder_id.encoder_fingerprint(self.cfg, self.params)
 
     def encode(self, passages) -> np.ndarray:
         """[n, D] float32 vectors of `passages` (`Passage` records), read as `encode_store`

@@ -25,7 +25,7 @@ embedding shards) are refused by name and magic bytes, never opened: loading a p
 whatever code it holds. The error gives the one-line conversion to run where the file is
 trusted.
 
-The vectors' `encoder_fingerprint`: the encoder's (`encode.encoder_fingerprint`) when the caller
+The vectors' `encoder_fingerprint`: the encoder's (`encoder_id.encoder_fingerprint`) when the caller
 names the encoder they came from, otherwise `imported:<sha256 of the shard>`, the vectors'
 own identity, which no encoder's fingerprint equals: an index of them loads with `index.load`,
 and a run that checks its passage encoder against the index refuses it rather than mixing

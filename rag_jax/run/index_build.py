@@ -15,7 +15,7 @@ import shutil
 import socket
 
 from rag_jax.io import hf
-from rag_jax.retrieval import corpus, encode, index, ingest
+from rag_jax.retrieval import corpus, encoder_id, index, ingest
 from rag_jax.retrieval.encode import DEFAULT_MAX_LENGTH, encode_corpus
 from rag_jax.retrieval.store import PassageStore
 from rag_jax.retrieval.vectors import load_vectors
@@ -144,7 +144,7 @@ def load_index_dir(directory, store: PassageStore, passage_cfg, passage_params):
     """
     directory = pathlib.Path(directory)
     expect = {
-        "encoder_fingerprint": encode.encoder_fingerprint(passage_cfg, passage_params),
+        "encoder_fingerprint": encoder_id.encoder_fingerprint(passage_cfg, passage_params),
         "corpus_checksum": store.checksum,
     }
     ix = index.load(str(directory / "index"), expect)

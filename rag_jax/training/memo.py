@@ -38,7 +38,7 @@ import numpy as np
 
 from rag_jax import causal, causal_prefix, rag_math
 from rag_jax.devices import preemption
-from rag_jax.retrieval import encode, files
+from rag_jax.retrieval import encoder_id, files
 from rag_jax.retrieval.tokenizer_id import tokenizer_fingerprint
 
 CHUNK = 8  # pairs per generator call: one compiled program per (prompt width, answer width)
@@ -67,7 +67,7 @@ def fingerprint(rag_cfg, generator_params, tokenizer) -> str:
     The generator's compute dtype is part of it: the same parameters computed in bfloat16 give
     other log-probabilities than in float32, and a memo holds the values of one of them."""
     key = {
-        "generator": encode.encoder_fingerprint(rag_cfg.generator, generator_params),
+        "generator": encoder_id.encoder_fingerprint(rag_cfg.generator, generator_params),
         "tokenizer": tokenizer_fingerprint(tokenizer),
         "compute_dtype": str(rag_cfg.generator.dtype),
     }

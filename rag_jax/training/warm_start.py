@@ -19,7 +19,7 @@ import re
 import flax.serialization
 import jax
 
-from rag_jax.retrieval import encode, files
+from rag_jax.retrieval import encoder_id, files
 from rag_jax.retrieval.corpus import Passage, corpus_files, read_corpus
 from rag_jax.retrieval.tokenizer_id import tokenizer_fingerprint
 from rag_jax.run import checkpoints, data, settings, synthetic
@@ -79,8 +79,8 @@ def retriever(config, rag_cfg, passage_cfg, params, tokenizer, store, workdir) -
         "question_length": config.data.question_length,
         "seed": settings.init_seed(config),
         "corpus": store.checksum,
-        "question_encoder": encode.encoder_fingerprint(passage_cfg, towers["question_encoder"]),
-        "passage_encoder": encode.encoder_fingerprint(passage_cfg, towers["passage_encoder"]),
+        "question_encoder": encoder_id.encoder_fingerprint(passage_cfg, towers["question_encoder"]),
+        "passage_encoder": encoder_id.encoder_fingerprint(passage_cfg, towers["passage_encoder"]),
     }
 
     def compute(progress):
@@ -153,7 +153,7 @@ def generator(config, rag_cfg, params, tokenizer, workdir, own_world) -> dict:
         "examples": hashlib.sha256(" ".join(e.id for e in examples).encode()).hexdigest(),
         "rag": [rag_cfg.max_combined_length, rag_cfg.label_smoothing, rag_cfg.exclude_bos_score],
         "tokenizer": tokenizer_fingerprint(tokenizer),
-        "generator": encode.encoder_fingerprint(rag_cfg.generator, params["generator"]),
+        "generator": encoder_id.encoder_fingerprint(rag_cfg.generator, params["generator"]),
         **_dropout_key(config, rag_cfg),
     }
 
@@ -289,7 +289,7 @@ def _generator_on_files(config, rag_cfg, params, tokenizer, workdir) -> dict:
         "layout": [rag_cfg.title_sep, rag_cfg.doc_sep]
         + ([rag_cfg.suffix] if rag_cfg.suffix else []),
         "tokenizer": tokenizer_fingerprint(tokenizer),
-        "generator": encode.encoder_fingerprint(rag_cfg.generator, params["generator"]),
+        "generator": encoder_id.encoder_fingerprint(rag_cfg.generator, params["generator"]),
         # Examples whose answer the context cuts off are left out (`reader.answers_in_context`).
         "answers": "within the kept context",
         **_dropout_key(config, rag_cfg),

@@ -10,7 +10,7 @@ import transformers
 import hf_fixtures
 from rag_jax.io import hf
 from rag_jax.models import bert
-from rag_jax.retrieval import encode
+from rag_jax.retrieval import encode, encoder_id
 
 SENTENCES = [
     "Where was Marie Curie born?",
@@ -123,10 +123,12 @@ def test_mean_pooling_matches_a_numpy_mean_of_pytorch_states(minilm, normalize):
 def test_pooling_changes_the_encoder_fingerprint_only_when_set(tiny_bert):
     """An index encoded before the pooling options existed still matches its [CLS] encoder."""
     _, cfg, params = tiny_bert
-    base = encode.encoder_fingerprint(cfg, params)
-    assert encode.encoder_fingerprint(cfg.replace(pooling="cls", normalize=False), params) == base
-    mean = encode.encoder_fingerprint(cfg.replace(pooling="mean"), params)
-    unit = encode.encoder_fingerprint(cfg.replace(normalize=True), params)
+    base = encoder_id.encoder_fingerprint(cfg, params)
+    assert (
+        encoder_id.encoder_fingerprint(cfg.replace(pooling="cls", normalize=False), params) == base
+    )
+    mean = encoder_id.encoder_fingerprint(cfg.replace(pooling="mean"), params)
+    unit = encoder_id.encoder_fingerprint(cfg.replace(normalize=True), params)
     assert len({base, mean, unit}) == 3
     with pytest.raises(ValueError, match="pooling must be one of"):
         _run(

@@ -14,6 +14,7 @@ import pytest
 from jax.sharding import Mesh
 
 import hf_fixtures
+from rag_jax.devices import distributed
 from rag_jax.io import hf
 from rag_jax.retrieval import encode, vectors
 
@@ -72,16 +73,16 @@ def _files(directory: pathlib.Path) -> dict[str, bytes]:
 
 def test_process_shards_deal_every_unfinished_shard_to_one_process():
     todo = [0, 1, 2, 3, 4, 5, 6, 7]
-    shares = [encode.process_shards(todo, p, 3) for p in range(3)]
+    shares = [distributed.process_shards(todo, p, 3) for p in range(3)]
     assert shares == [[0, 3, 6], [1, 4, 7], [2, 5]]
     # A re-run after process 1 of 2 died having done shards 1 and 3 (process 0 all of its own):
     # what is left is dealt over both processes again, not left to process 1 alone.
     left = [5, 7]
-    assert [encode.process_shards(left, p, 2) for p in range(2)] == [[5], [7]]
-    assert encode.process_shards([4], 1, 2) == []  # more processes than shards: some idle
-    assert encode.process_shards(left, 0, 1) == left
+    assert [distributed.process_shards(left, p, 2) for p in range(2)] == [[5], [7]]
+    assert distributed.process_shards([4], 1, 2) == []  # more processes than shards: some idle
+    assert distributed.process_shards(left, 0, 1) == left
     with pytest.raises(ValueError, match="process 2 is not one of 2"):
-        encode.process_shards(todo, 2, 2)
+        distributed.process_shards(todo, 2, 2)
 
 
 def test_a_run_finishes_from_the_records_killed_processes_left(tiny, tmp_path):

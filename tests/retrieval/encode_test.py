@@ -21,7 +21,7 @@ from jax.sharding import Mesh
 import hf_fixtures
 from rag_jax.io import hf
 from rag_jax.models import bert
-from rag_jax.retrieval import encode, vectors
+from rag_jax.retrieval import encode, encoder_id, vectors
 from rag_jax.retrieval.store import PassageStore
 from rag_jax.run.index_build import build_index
 
@@ -280,12 +280,12 @@ def test_storage_dtypes(tiny, tokenizer, tmp_path):
 
 def test_encoder_fingerprint(tiny):
     _, cfg, params = tiny
-    fingerprint = encode.encoder_fingerprint(cfg, params)
-    assert fingerprint == encode.encoder_fingerprint(cfg.replace(dtype="bfloat16"), params)
+    fingerprint = encoder_id.encoder_fingerprint(cfg, params)
+    assert fingerprint == encoder_id.encoder_fingerprint(cfg.replace(dtype="bfloat16"), params)
     changed = jax.tree_util.tree_map(np.copy, params)
     changed["layer_1"]["mlp"]["wo"]["bias"][3] += 1e-6
-    assert encode.encoder_fingerprint(cfg, changed) != fingerprint
-    assert encode.encoder_fingerprint(cfg.replace(layer_norm_eps=1e-6), params) != fingerprint
+    assert encoder_id.encoder_fingerprint(cfg, changed) != fingerprint
+    assert encoder_id.encoder_fingerprint(cfg.replace(layer_norm_eps=1e-6), params) != fingerprint
 
 
 # ---------------------------------------------------------------------------------------------
@@ -304,7 +304,7 @@ def test_corpus_shards_and_manifest(tiny, tokenizer, tmp_path):
     assert [s["rows"] for s in manifest["shards"]] == [6, 6, 6, 3]
     assert manifest["count"] == 21 and manifest["dim"] == 12 and manifest["dtype"] == "float32"
     assert manifest["corpus_checksum"] == store.checksum
-    assert manifest["encoder_fingerprint"] == encode.encoder_fingerprint(cfg, params)
+    assert manifest["encoder_fingerprint"] == encoder_id.encoder_fingerprint(cfg, params)
     assert manifest["max_length"] == MAX_LENGTH and manifest["input_format"] == "pair"
     written = json.loads((tmp_path / "manifest.json").read_text())
     assert written.pop("manifest_sha256") and written == manifest  # sealed with its checksum
@@ -410,7 +410,7 @@ def test_other_encoder_or_corpus_is_refused_with_the_field_named(tiny, tokenizer
         _corpus(other_tiny, tokenizer, ListStore(passages), tmp_path)
     _corpus(other_tiny, tokenizer, ListStore(passages), tmp_path, overwrite=True)
     expected = _encode(other_tiny, tokenizer, passages, mesh=_mesh(8))
-    fingerprint = encode.encoder_fingerprint(cfg, params)
+    fingerprint = encoder_id.encoder_fingerprint(cfg, params)
     loaded = vectors.load_vectors(tmp_path, expect={"encoder_fingerprint": fingerprint})
     np.testing.assert_allclose(loaded, expected, atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="field 'corpus_checksum' is"):
@@ -492,7 +492,7 @@ def test_build_index_from_a_corpus_file(tiny, tokenizer, tmp_path):
     result = build_index(corpus_file, path, hf_fixtures.minilm_path(), out, **kwargs)
     store = PassageStore.open(out / "passages")
     assert len(store) == 7 and store.text(4) == passages[4][1]
-    expect = {"encoder_fingerprint": encode.encoder_fingerprint(cfg, params)}
+    expect = {"encoder_fingerprint": encoder_id.encoder_fingerprint(cfg, params)}
     expect["corpus_checksum"] = store.checksum
     assert {k: result[k] for k in expect} == expect
     ix = index.ExactIndex.load(str(out / "index"), expect=expect)

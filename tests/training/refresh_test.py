@@ -16,7 +16,7 @@ import pytest
 from rag_jax import rag
 from rag_jax.devices import distributed, preemption
 from rag_jax.io import bundle
-from rag_jax.retrieval import encode, retriever
+from rag_jax.retrieval import encoder_id, retriever
 from rag_jax.run import synthetic, validation
 from rag_jax.training import evaluation, experiment, loop, refresh
 from rag_jax.training.batcher import Batcher
@@ -233,10 +233,10 @@ def test_a_restore_searches_the_trained_passage_encoders_saved_index(refreshed_r
     monkeypatch.setattr(retriever, "encode_store", lambda *a: encodes.append(1) or encode_store(*a))
     exp, state, step = loop.restore(workdir)
     assert step == 5 and encodes == []  # the run's final index was loaded, not encoded again
-    trained = encode.encoder_fingerprint(
+    trained = encoder_id.encoder_fingerprint(
         exp.passage_cfg, distributed.replicated_to_host(state.params["passage_encoder"])
     )
-    initial = encode.encoder_fingerprint(exp.passage_cfg, exp.params["passage_encoder"])
+    initial = encoder_id.encoder_fingerprint(exp.passage_cfg, exp.params["passage_encoder"])
     assert trained != initial  # the passage encoder did train
     assert exp.retriever.index.encoder_fingerprint == trained  # and its vectors are searched
     mesh = loop.device_mesh(exp.config)
@@ -252,7 +252,9 @@ def test_the_bundle_of_a_refreshed_run_answers_as_its_final_evaluation(refreshed
     model = bundle.load(workdir / "bundle")
     config = refresh_config(workdir / "cache")
     initial = experiment.build(config, workdir / "initial", retriever=False).params
-    initial_fingerprint = encode.encoder_fingerprint(model.encoder.cfg, initial["passage_encoder"])
+    initial_fingerprint = encoder_id.encoder_fingerprint(
+        model.encoder.cfg, initial["passage_encoder"]
+    )
     assert model.manifest["encoder_fingerprint"] == model.encoder.fingerprint != initial_fingerprint
     assert model.retriever.index.encoder_fingerprint == model.encoder.fingerprint
     lines = (workdir / "predictions.jsonl").read_text().splitlines()
