@@ -85,7 +85,9 @@ def test_build_reuses_a_saved_index_only_for_the_same_encoding(two_corpora, toke
         return vectors + encoder.params["shift"]
 
     monkeypatch.setattr(retriever, "encode_store", fake_encode)
-    monkeypatch.setattr(retriever.encoder_id, "encoder_fingerprint", lambda cfg, params: str(params))
+    monkeypatch.setattr(
+        retriever.encoder_id, "encoder_fingerprint", lambda cfg, params: str(params)
+    )
     cfg = type("Cfg", (), {"dtype": "float32"})()
 
     def encoder(shift, max_length=16):
@@ -123,7 +125,9 @@ def test_a_stopped_encoding_saves_its_windows_and_the_next_resumes_after_them(
 
     stops = iter([False, False, True])
     monkeypatch.setattr(retriever.encode, "encode_passages", fake_encode_passages)
-    monkeypatch.setattr(retriever.encoder_id, "encoder_fingerprint", lambda cfg, params: str(params))
+    monkeypatch.setattr(
+        retriever.encoder_id, "encoder_fingerprint", lambda cfg, params: str(params)
+    )
     monkeypatch.setattr(retriever.preemption, "should_stop", lambda: next(stops, False))
     monkeypatch.setattr(retriever, "ENCODE_WINDOW", 1)
     cfg = type("Cfg", (), {"dtype": "float32"})()
