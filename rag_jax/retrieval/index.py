@@ -40,6 +40,8 @@ For a `DeviceIndex` passed as an argument of the jitted step, a new index of the
 
 from __future__ import annotations
 
+import pathlib
+
 import numpy as np
 
 from rag_jax.retrieval.index_base import Index, check_vectors
@@ -221,6 +223,17 @@ def load(
     if kind == "exact":
         return ExactIndex.load(directory, expect, verify=verify, mmap=mmap)
     return ScannIndex.load(directory, expect, verify=verify)
+
+
+def index_vectors(out_dir, kind: str, encoder_fingerprint: str, corpus_checksum: str) -> dict:
+    """Builds the host index of `kind` over the vectors folder `out_dir/vectors` (checked
+    against the provenance) into `out_dir/index`; returns the provenance."""
+    from rag_jax.retrieval.vectors import load_vectors as load_vector_shards
+
+    provenance = {"encoder_fingerprint": encoder_fingerprint, "corpus_checksum": corpus_checksum}
+    vectors = load_vector_shards(pathlib.Path(out_dir) / "vectors", expect=provenance)
+    build_and_save(vectors, kind, pathlib.Path(out_dir) / "index", **provenance)
+    return provenance
 
 
 def build_and_save(vectors, kind: str, directory: str, **provenance) -> Index:

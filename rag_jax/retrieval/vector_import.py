@@ -44,7 +44,7 @@ import numpy as np
 
 from rag_jax.retrieval import files, index
 from rag_jax.retrieval.store import PassageStore
-from rag_jax.retrieval.vectors import FORMAT, NPY_DTYPES, VERSION, load_vectors, shard_name
+from rag_jax.retrieval.vectors import FORMAT, NPY_DTYPES, VERSION, shard_name
 
 _PICKLE_SUFFIXES = (".pkl", ".pickle", ".pck")
 _IGNORED = {"state.json", "dataset_info.json", "dataset_dict.json", "README.md"}
@@ -448,12 +448,7 @@ def index_from_vectors(
     manifest = import_vectors(
         source, store, out_dir / "vectors", encoder_fingerprint=encoder_fingerprint, dtype=dtype
     )
-    provenance = {
-        "encoder_fingerprint": manifest["encoder_fingerprint"],
-        "corpus_checksum": store.checksum,
-    }
-    vectors = load_vectors(out_dir / "vectors", expect=provenance)
-    index.build_and_save(vectors, kind, out_dir / "index", **provenance)
+    provenance = index.index_vectors(out_dir, kind, manifest["encoder_fingerprint"], store.checksum)
     return {
         "vectors": str(out_dir / "vectors"),
         "index": str(out_dir / "index"),

@@ -120,12 +120,7 @@ def build_index(
         overwrite=overwrite,
         progress=progress,
     )
-    provenance = {
-        "encoder_fingerprint": manifest["encoder_fingerprint"],
-        "corpus_checksum": store.checksum,
-    }
-    vectors = load_vectors(out_dir / "vectors", expect=provenance)
-    index.build_and_save(vectors, kind, out_dir / "index", **provenance)
+    provenance = index.index_vectors(out_dir, kind, manifest["encoder_fingerprint"], store.checksum)
     return {
         "passages": str(out_dir / "passages"),
         "vectors": str(out_dir / "vectors"),
