@@ -719,6 +719,44 @@ def test_sigterm_during_a_warm_start_saves_its_progress_and_the_rerun_resumes_it
         _assert_bitwise_equal(resumed.params[name], straight.params[name], name)
 
 
+def test_a_warm_start_killed_without_a_signal_resumes_from_its_last_periodic_save(
+    tmp_path, monkeypatch, capsys
+):
+    """No handler runs when a process is SIGKILLed or its machine is lost: the warm start's
+    progress is also saved every `PROGRESS_SAVE_EVERY_S` (here: before every step), so a run that
+    dies at step 6 of 12 without a signal resumes at 6 and ends bit for bit where an
+    uninterrupted one ends."""
+    config = tiny_config(
+        **{"warm_start.steps": 12, "warm_start.batch_size": 8, "warm_start.reader_steps": 0}
+    )
+    monkeypatch.setattr(checkpoints, "PROGRESS_SAVE_EVERY_S", 0.0)
+    original = ict.ict_batch
+
+    class Killed(BaseException):  # nothing in the loop catches it, as nothing survives SIGKILL
+        pass
+
+    def killed_at(data, *, step, **kwargs):
+        if step == 6:
+            raise Killed
+        return original(data, step=step, **kwargs)
+
+    monkeypatch.setattr(ict, "ict_batch", killed_at)
+    with pytest.raises(Killed):
+        experiment.build(config, tmp_path / "killed", retriever=False)
+    partial = list((tmp_path / "killed" / "warm_start").glob("*.partial.msgpack"))
+    assert len(partial) == 1
+
+    monkeypatch.setattr(ict, "ict_batch", original)
+    monkeypatch.setattr(checkpoints, "PROGRESS_SAVE_EVERY_S", 600.0)
+    capsys.readouterr()
+    resumed = experiment.build(config, tmp_path / "killed", retriever=False)
+    assert "ICT warm start: resuming at step 6" in capsys.readouterr().out
+    assert not partial[0].exists()
+    straight = experiment.build(config, tmp_path / "straight", retriever=False)
+    for name in ("question_encoder", "passage_encoder"):
+        _assert_bitwise_equal(resumed.params[name], straight.params[name], name)
+
+
 def test_sigterm_in_the_training_loop_saves_the_step_it_finished(tmp_path, stop_flag, monkeypatch):
     """The trainer's own SIGTERM path, short: the step in flight finishes and is saved, the
     process returns normally, and the next start resumes there and finishes the run."""

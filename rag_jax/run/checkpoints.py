@@ -491,6 +491,10 @@ def load_config(workdir: epath.PathLike, step: int | None = None) -> ml_collecti
         return checkpointer.load_config(step)
 
 
+# A warm start's progress is also saved this often (seconds), not only when it is stopped.
+PROGRESS_SAVE_EVERY_S = 600.0
+
+
 class Progress:
     """Where a resumable loop before the training loop (a warm start) keeps its state when it is
     stopped midway, and finds it again: `<path>`, a msgpack of the loop's state, written
@@ -498,12 +502,16 @@ class Progress:
 
     The loop calls `load(state)` before its first step (the saved state, or None) and
     `stop_if_requested(state, step, total)` before each step; it raises `preemption.Preempted`
-    after saving when a stop was requested. A loop whose batches are functions of `(seed, step)`
-    then ends bitwise where an uninterrupted one ends.
+    after saving when a stop was requested. It also saves, without stopping, once `save_every_s`
+    seconds have passed since the last save (or the loop's start), so a process killed without
+    a signal it can catch (SIGKILL, a lost machine) loses at most that much work. A loop whose
+    batches are functions of `(seed, step)` then ends bitwise where an uninterrupted one ends.
     """
 
-    def __init__(self, path, label: str):
+    def __init__(self, path, label: str, save_every_s: float | None = None):
         self.path, self.label = epath.Path(path), label
+        self.save_every_s = PROGRESS_SAVE_EVERY_S if save_every_s is None else float(save_every_s)
+        self._saved = time.monotonic()
 
     def load(self, template):
         """The saved state, structured like `template` (on the devices), or None."""
@@ -520,15 +528,25 @@ class Progress:
         return jax.tree.map(jnp.asarray, value)
 
     def stop_if_requested(self, state, step: int, total: int) -> None:
+        """Before step `step` of `total`, with the loop's `state`: saves it and raises
+        `preemption.Preempted` when a stop was requested, saves it when `save_every_s` have
+        passed since the last save, else does nothing."""
         if not preemption.should_stop():
+            if time.monotonic() - self._saved >= self.save_every_s:
+                self._save(state)
             return
-        if jax.process_index() == 0:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            files.write_atomic(self.path, flax.serialization.to_bytes(jax.device_get(state)))
+        self._save(state)
         raise preemption.Preempted(
             f"stopped during the {self.label} at step {step} of {total}: its progress is saved in "
             f"{self.path}, and the next run resumes it there"
         )
+
+    def _save(self, state) -> None:
+        """`state` (the loop's before its next step) to `path`, atomically, by process 0."""
+        if jax.process_index() == 0:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            files.write_atomic(self.path, flax.serialization.to_bytes(jax.device_get(state)))
+        self._saved = time.monotonic()
 
     def clear(self) -> None:
         if jax.process_index() == 0 and self.path.exists():
