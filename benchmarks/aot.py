@@ -232,10 +232,16 @@ def train_row(p: Plan, t: Target, batch: int, in_step: bool, *, detail: bool = T
     retrieval, shard = None, 0
     if in_step:
         ix = p.index
-        device_index = DeviceIndex.abstract(ix["rows"], ix["dim"], jnp.dtype(ix["dtype"]), mesh)
+        device_index = DeviceIndex.abstract(
+            ix["rows"],
+            ix["dim"],
+            jnp.dtype(ix["dtype"]),
+            mesh,
+            storage=config.retrieval.device_storage,
+        )
         questions = {k: v for k, v in arrays.items() if k.startswith("question_")}
         retrieval = (device_index, questions)
-        shard = device_memory.per_device_bytes(device_index.vectors)
+        shard = sum(map(device_memory.per_device_bytes, jax.tree.leaves(device_index)))
     row = {
         "program": "train",
         "batch": batch,

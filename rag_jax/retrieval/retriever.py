@@ -471,14 +471,17 @@ def index_provenance(index: Index) -> dict:
     }
 
 
-def make_index(vectors: np.ndarray, kind: str, mesh=None, **provenance) -> Index:
+def make_index(
+    vectors: np.ndarray, kind: str, mesh=None, device_storage: str = "", **provenance
+) -> Index:
     """The index `kind` names over `vectors` [C, D], carrying `provenance`
     (`encoder_fingerprint`, `corpus_checksum`).
 
     "exact" and "scann" search on the host; "device" shards the vectors over the `data` axis of
     `mesh` (`DeviceIndex`; default: this process's devices) and searches there, one jitted
-    program per batch. A mesh that spans processes splits the corpus over the whole pod; every
-    process must then build it from the same vectors and search it together (see `DeviceIndex`).
+    program per batch, storing them as `device_storage` says ("" their dtype, "int8" codes and
+    scales). A mesh that spans processes splits the corpus over the whole pod; every process
+    must then build it from the same vectors and search it together (see `DeviceIndex`).
     """
     if kind == "exact":
         return ExactIndex(vectors, **provenance)
@@ -487,7 +490,7 @@ def make_index(vectors: np.ndarray, kind: str, mesh=None, **provenance) -> Index
     if kind == "device":
         if mesh is None:
             mesh = sharding.data_mesh(jax.local_devices())
-        return DeviceIndex(vectors, mesh, **provenance)
+        return DeviceIndex(vectors, mesh, storage=device_storage, **provenance)
     raise ValueError(f"config.retrieval.index must be exact, scann or device, got {kind!r}")
 
 
@@ -521,6 +524,7 @@ def build(
     mesh=None,
     cache_dir=None,
     keep_question: bool = False,
+    device_storage: str = "",
 ) -> Retriever:
     """The retriever of `store` encoded by `encoder`: encode the corpus and index it.
 
@@ -537,6 +541,7 @@ def build(
       mesh: the device index's mesh (default: this process's devices).
       cache_dir: where encoded corpora are saved and looked for, and where an encoding stopped
         midway keeps what it encoded (`encode_store`'s `partial`); None: always encode.
+      device_storage: a device index's storage (see `make_index`).
     """
     vectors = None
     saved = saved_index_dir(cache_dir, encoder, store) if cache_dir else None
@@ -550,7 +555,7 @@ def build(
             exact = ExactIndex(vectors, corpus_checksum=store.checksum, **provenance)
             exact.save(str(saved), encoding=encoder.encoding(store))
     provenance = {"encoder_fingerprint": encoder.fingerprint, "corpus_checksum": store.checksum}
-    index = make_index(vectors, kind, mesh, **provenance)
+    index = make_index(vectors, kind, mesh, device_storage, **provenance)
     if isinstance(index, ExactIndex):
         vectors = index.vectors  # one copy of the vectors, not two
     return Retriever(

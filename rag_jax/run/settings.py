@@ -251,6 +251,11 @@ SCHEMA: dict[str, dict[str, tuple]] = {
     },
     "retrieval": {
         "index": ("exact", "exact | scann (host) | device (vectors sharded over the devices)"),
+        "device_storage": (
+            "",
+            "the device index's rows: empty = the vectors' dtype; int8 = int8 codes and a scale "
+            "per row (half of bfloat16's memory; approximate ids, DeviceIndex)",
+        ),
         "search_in_step": (
             True,
             "with the device index, the train step also searches for the next batch (no host "

@@ -178,6 +178,7 @@ def _check_choices(config: ml_collections.ConfigDict) -> None:
         ("eval.sequence_decoding", config.eval.sequence_decoding, ("thorough", "fast")),
         ("train.param_sharding", config.train.param_sharding, ("replicated", "fsdp")),
         ("retrieval.index_dtype", config.retrieval.index_dtype, ("", "float32", "bfloat16")),
+        ("retrieval.device_storage", config.retrieval.device_storage, ("", "int8")),
     ]
     for key, value, allowed in choices:
         if value not in allowed:

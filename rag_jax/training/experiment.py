@@ -109,7 +109,7 @@ class Experiment:
             ix, vectors = load_index_dir(r.index_dir, store, self.passage_cfg, passage_params)
             if r.index == "device" and not isinstance(ix, DeviceIndex):
                 provenance = retrieval.index_provenance(ix)
-                ix = DeviceIndex(vectors, pod, **provenance)
+                ix = DeviceIndex(vectors, pod, storage=r.device_storage, **provenance)
             return Retriever(ix, store, vectors, **common)
         return retrieval.build(
             store,
@@ -119,6 +119,7 @@ class Experiment:
             cache_dir=(pathlib.Path(r.cache_dir) if r.cache_dir else self.workdir / "index")
             if save
             else None,
+            device_storage=r.device_storage,
             **common,
         )
 
