@@ -36,12 +36,16 @@ from rag_jax.io.answers import AnswerSetting
 from rag_jax.io.bundle_format import Settings
 from rag_jax.retrieval import files
 from rag_jax.retrieval.corpus import Passage, check_record, corpus_checksum, update_checksum
+from rag_jax.retrieval.edits import EditedIndex, LiveRowIndex
 from rag_jax.retrieval.index import ExactIndex
 from rag_jax.retrieval.retriever import PassageEncoder, Retriever
 from rag_jax.retrieval.scann_index import ScannIndex
 from rag_jax.retrieval.store import PassageStore
 
 FORMAT, VERSION = bundle_format.FORMAT, bundle_format.VERSION
+# An edit keeps the ScaNN searcher while the passages edited since it was built (replaced,
+# added, deleted) are at most this share of those it holds; past it the searcher is built again.
+FOLD_EDITS = 0.1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -216,7 +220,7 @@ class Bundle(answers.Answering):
                 self.settings,
             )
             bundle_format.link_tree(r.store.directory, tmp / "passages")
-            scann = r.index if isinstance(r.index, ScannIndex) else None
+            scann = r.index if isinstance(r.index, ScannIndex | LiveRowIndex) else None
             checksum = r.store.checksum
             bundle_format.write_index(
                 tmp, self.fingerprint, checksum, r.vectors, self.settings, scann
@@ -268,9 +272,13 @@ class Bundle(answers.Answering):
 
         Upserted passages replace the passage of the same id in place, or are appended; only
         they are encoded (with the bundle's passage encoder), the other passages keep their
-        vectors. The store is rebuilt and the exact index updated with the new rows (a ScaNN
-        searcher is rebuilt from the vectors), then the bundle's folder is replaced in one
-        atomic swap: a crash before it leaves the previous bundle whole, and the folders a
+        vectors. The store is rewritten (the unchanged passages' tokens copied, not tokenised
+        again) and the exact index updated with the new rows. A ScaNN searcher is kept as it
+        was built, its files linked into the new folder, with every passage edited since beside
+        it in `scann_edits.npz` (`retrieval.edits.LiveRowIndex`: searched exactly, merged by
+        score), until those passages pass `FOLD_EDITS` of the ones it was built on: that edit
+        builds it again from the vectors. Then the bundle's folder is replaced in one atomic
+        swap: a crash before it leaves the previous bundle whole, and the folders a
         crashed edit left beside the bundle are removed by the next edit (once a minute old).
         Answers started before the swap finish on the previous passages; those started after
         see the new ones.
@@ -281,7 +289,8 @@ class Bundle(answers.Answering):
           deletes: ids of passages to remove; each must exist.
 
         Returns:
-          {"encoded", "kept", "deleted", "count", "corpus_checksum"}.
+          {"encoded", "kept", "deleted", "count", "corpus_checksum", "index_rebuilt"} (the last:
+          whether a ScaNN searcher was built again).
 
         Raises:
           ValueError: naming the record or id at fault (nothing is written then).
@@ -309,14 +318,17 @@ class Bundle(answers.Answering):
             # damage would be sealed into the new manifest.
             model_records = bundle_format.check_bundle(old_dir, knowledge.manifest)
             passages, kept, encoded = [], [], []  # kept: (new row, old row)
+            replaced, deleted = [], []  # old rows
             read = hashlib.sha256()  # the records as read (memory-mapped): the sealed ones?
             for i in range(len(store)):
                 passage = store.passage(i)
                 update_checksum(read, passage)
                 if passage.id in gone:
+                    deleted.append(i)
                     continue
                 if passage.id in changed:
                     encoded.append(len(passages))
+                    replaced.append(i)
                     passages.append(changed.pop(passage.id))
                 else:
                     kept.append((len(passages), i))
@@ -342,6 +354,24 @@ class Bundle(answers.Answering):
             if encoded:
                 vectors[encoded] = encoder.encode([passages[i] for i in encoded])
             checksum = corpus_checksum(passages)
+            # A ScaNN searcher is kept and the edits put beside it (exact, searched with it),
+            # until they pass `FOLD_EDITS` of the corpus: then it is built again.
+            scann = _scann_after_edit(
+                knowledge.retriever.index, replaced, vectors[encoded], deleted, checksum
+            )
+            base_from = None
+            if scann is not None:
+                base_records = {
+                    rel: dict(record)
+                    for rel, record in knowledge.manifest["files"].items()
+                    if rel.startswith("scann/")
+                }
+                base_from = (old_dir, base_records)
+            unchanged = {new_row: old_row for new_row, old_row in kept}
+
+            def known_tokens(row):  # the store's tokens of an unchanged passage: not again
+                old_row = unchanged.get(row)
+                return None if old_row is None else store.passage_token_ids(old_row)
 
             layout = {k: store.manifest[k] for k in ("prefix", "title_sep", "doc_sep")}
             layout["suffix"] = store.manifest.get("suffix", "")
@@ -352,22 +382,31 @@ class Bundle(answers.Answering):
                 # returned records): hashed again, damage done since the check would be sealed.
                 linked = bundle_format.link_model(old_dir, tmp, model_records)
                 built = PassageStore.build(
-                    passages, generator_tokenizer, tmp / "passages", **layout
+                    passages,
+                    generator_tokenizer,
+                    tmp / "passages",
+                    **layout,
+                    known_tokens=known_tokens,
                 )
                 if built.checksum != checksum:  # both hash the same records: never differs
                     raise RuntimeError(f"store checksum {built.checksum} != {checksum}")
-                bundle_format.write_index(tmp, self.fingerprint, checksum, vectors, self.settings)
+                linked |= bundle_format.write_index(
+                    tmp, self.fingerprint, checksum, vectors, self.settings, scann, base_from
+                )
                 bundle_format.share_modes(tmp)
                 return linked
 
             manifest = dict(knowledge.manifest, corpus_checksum=checksum, count=len(passages))
+            manifest.pop("scann_base", None)
+            if scann is not None:
+                manifest["scann_base"] = bundle_format.scann_base(scann)
             # A write killed earlier left its folders beside the bundle (whole copies of the
             # passages and index); those a minute old go (younger: maybe a write in progress).
             bundle_format.remove_stale(old_dir)
             # The manifest as written, its files' records those the next edit checks against.
             manifest = files.swap_dir(old_dir, write_fn, manifest, what="bundle")
             retriever = bundle_format.open_retriever(
-                old_dir, manifest, self.settings, self.rag_cfg, vectors
+                old_dir, manifest, self.settings, self.rag_cfg, vectors, scann=scann
             )
             self._knowledge = _Knowledge(retriever, manifest)
         return {
@@ -376,6 +415,7 @@ class Bundle(answers.Answering):
             "deleted": len(gone),
             "count": len(passages),
             "corpus_checksum": checksum,
+            "index_rebuilt": self.settings.index == "scann" and scann is None,
         }
 
 
@@ -414,6 +454,22 @@ def load(directory, *, verify: bool = True, fast_compile: bool = False) -> Bundl
         manifest=p.manifest,
         fast_compile=fast_compile,
     )
+
+
+def _scann_after_edit(index, replaced, vectors, deleted, checksum) -> LiveRowIndex | None:
+    """The bundle's ScaNN searcher with this edit's passages beside it (`LiveRowIndex`): the
+    `replaced` old rows get the first of `vectors` [E, D], the rest are new passages, the
+    `deleted` old rows go; None (build the searcher again) when the index is not ScaNN or the
+    edits would hold more than `FOLD_EDITS` of the passages."""
+    if isinstance(index, ScannIndex):
+        index = LiveRowIndex(EditedIndex(index, [], []), index.corpus_checksum)
+    if not isinstance(index, LiveRowIndex):
+        return None
+    edited = index.edit(
+        replaced, vectors[: len(replaced)], vectors[len(replaced) :], deleted, checksum
+    )
+    held = len(edited.edited.edited_ids) + len(edited.edited.deleted_ids)
+    return None if held > FOLD_EDITS * edited.edited.base.count else edited
 
 
 def _check_edit(upserts, deletes, store: PassageStore) -> tuple[dict, set]:

@@ -15,6 +15,9 @@
       passages/                the passage store (`retrieval.store`)
       index/                   an exact index folder: the final passage encoder's vectors
       scann/                   a ScaNN searcher over them (only when the run searched with ScaNN)
+      scann_edits.npz          the passages edited since scann/ was built (ids, vectors,
+                               deletions: `retrieval.edits`), with `scann_base` in the manifest
+                               naming the corpus scann/ was built from (only after edits)
 
 A folder is written whole beside its destination and swapped in (`files.swap_dir`), so a crash
 leaves the previous bundle; a crash between the swap's two renames leaves it aside, in
@@ -45,6 +48,7 @@ from safetensors.numpy import load_file, save_file
 from rag_jax import rag
 from rag_jax.models import bart, bert, llama
 from rag_jax.retrieval import files
+from rag_jax.retrieval.edits import EditedIndex, LiveRowIndex
 from rag_jax.retrieval.index import ExactIndex
 from rag_jax.retrieval.retriever import PassageEncoder, Retriever
 from rag_jax.retrieval.scann_index import ScannIndex
@@ -59,6 +63,8 @@ TOKENIZERS = {"question": "tokenizers/question", "generator": "tokenizers/genera
 _REQUIRED = ("config.json", *PARAMS.values(), "passages/manifest.json", "index/manifest.json")
 # The model's parts: never changed by an edit, which links them into its new folder.
 MODEL_PARTS = ("config.json", "params", "tokenizers")
+# The edits over a ScaNN searcher (`LiveRowIndex`), beside scann/ (see `Bundle.edit`).
+SCANN_EDITS = "scann_edits.npz"
 
 
 class DamagedBundleError(RuntimeError):
@@ -299,15 +305,50 @@ def remove_stale(directory, min_age_s: float = 60.0) -> list[pathlib.Path]:
 
 
 def write_index(
-    directory, fingerprint: str, checksum: str, vectors, settings: Settings, scann=None
-):
+    directory,
+    fingerprint: str,
+    checksum: str,
+    vectors,
+    settings: Settings,
+    scann=None,
+    base_from: tuple[pathlib.Path, dict] | None = None,
+) -> dict:
     """index/ (the exact index of `vectors`, encoded by the encoder of `fingerprint` from the
-    corpus of `checksum`) and, with `settings.index == "scann"`, scann/ (the searcher `scann`, or
-    one built from the vectors)."""
+    corpus of `checksum`) and, with `settings.index == "scann"`, scann/: the searcher `scann`, or
+    one built from the vectors. `scann` may be a `LiveRowIndex` (edits over a ScaNN base): its
+    base goes to scann/ and its edits to `SCANN_EDITS`; with `base_from` = (a bundle folder,
+    its scann/ files' records) the base's files are hard-linked from there, not written again.
+    Returns the records of the linked files (for the manifest, as `link_model`'s)."""
     provenance = {"encoder_fingerprint": fingerprint, "corpus_checksum": checksum}
     ExactIndex(vectors, **provenance).save(str(directory / "index"))
-    if settings.index == "scann":
+    if settings.index != "scann":
+        return {}
+    if not isinstance(scann, LiveRowIndex):
         (scann or ScannIndex.build(vectors, **provenance)).save(str(directory / "scann"))
+        return {}
+    linked = {}
+    if base_from is None:
+        scann.edited.base.save(str(directory / "scann"))
+    else:
+        linked = link_model(base_from[0], directory, base_from[1])
+    edited = scann.edited
+    with open(directory / SCANN_EDITS, "wb") as f:
+        np.savez(
+            f,
+            edited_ids=edited.edited_ids,
+            edited_vectors=edited.edited_vectors,
+            deleted_ids=edited.deleted_ids,
+        )
+    return linked
+
+
+def scann_base(index) -> dict | None:
+    """The manifest's `scann_base` of a bundle whose ScaNN searcher carries edits (the corpus
+    its base was built from: checksum and count), else None."""
+    if not isinstance(index, LiveRowIndex):
+        return None
+    base = index.edited.base
+    return {"corpus_checksum": base.corpus_checksum, "count": base.count}
 
 
 def share_modes(directory: pathlib.Path) -> None:
@@ -418,9 +459,12 @@ def read(directory, *, verify: bool = True) -> Parts:
     )
 
 
-def open_retriever(directory, manifest, settings: Settings, rag_cfg, vectors=None, verify=False):
-    """The retriever of a bundle folder's passages/ and index/ (or scann/), checked against the
-    manifest; `vectors` [C, D] when already in memory (an edit just wrote them)."""
+def open_retriever(
+    directory, manifest, settings: Settings, rag_cfg, vectors=None, verify=False, scann=None
+):
+    """The retriever of a bundle folder's passages/ and index/ (or scann/ and its edits),
+    checked against the manifest; `vectors` [C, D] when already in memory, and `scann` the
+    edited ScaNN index when in memory (an edit just wrote them)."""
     directory = pathlib.Path(directory)
     store = PassageStore.open(directory / "passages", verify=verify)
     if store.checksum != manifest["corpus_checksum"]:
@@ -435,7 +479,11 @@ def open_retriever(directory, manifest, settings: Settings, rag_cfg, vectors=Non
         provenance = {k: manifest[k] for k in ("encoder_fingerprint", "corpus_checksum")}
         exact = ExactIndex(vectors, **provenance)
     index = exact
-    if settings.index == "scann":
+    if settings.index == "scann" and scann is not None:
+        index = scann
+    elif settings.index == "scann" and manifest.get("scann_base"):
+        index = _edited_scann(directory, manifest, verify)
+    elif settings.index == "scann":
         index = ScannIndex.load(str(directory / "scann"), expect, verify=verify)
     return Retriever(
         index,
@@ -445,6 +493,29 @@ def open_retriever(directory, manifest, settings: Settings, rag_cfg, vectors=Non
         max_combined_length=rag_cfg.max_combined_length,
         keep_question=settings.keep_question,
     )
+
+
+def _edited_scann(directory: pathlib.Path, manifest: dict, verify: bool) -> LiveRowIndex:
+    """The ScaNN base of an edited bundle (built from the corpus `scann_base` names) with the
+    edits of `SCANN_EDITS`, its ids the store's rows."""
+    base_expect = {k: manifest[k] for k in ("encoder_fingerprint", "dim")}
+    base_expect |= {k: manifest["scann_base"][k] for k in ("corpus_checksum", "count")}
+    base = ScannIndex.load(str(directory / "scann"), base_expect, verify=verify)
+    path = directory / SCANN_EDITS
+    if SCANN_EDITS not in manifest["files"]:
+        raise ValueError(f"{directory / files.MANIFEST}: has scann_base but lists no {SCANN_EDITS}")
+    try:
+        with np.load(path, allow_pickle=False) as arrays:
+            edits = {k: arrays[k] for k in ("edited_ids", "edited_vectors", "deleted_ids")}
+        index = LiveRowIndex(EditedIndex(base, **edits), manifest["corpus_checksum"])
+    except (KeyError, ValueError, OSError) as e:
+        raise ValueError(f"{path}: not the edits of {directory / 'scann'} ({e})") from None
+    if index.count != manifest["count"]:
+        raise ValueError(
+            f"{path}: the edits leave {index.count} passages, the manifest "
+            f"{directory / files.MANIFEST} says {manifest['count']}"
+        )
+    return index
 
 
 def _rag_config(values: dict) -> rag.RagConfig:

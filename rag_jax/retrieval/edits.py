@@ -163,3 +163,74 @@ class EditedIndex(Index):
         scores = np.where(keep, scores, -np.inf).astype(np.float32)
         order = np.argsort(~keep, axis=1, kind="stable")[:, :want]
         return np.take_along_axis(scores, order, axis=1), np.take_along_axis(ids, order, axis=1)
+
+
+class LiveRowIndex(Index):
+    """An `EditedIndex` whose ids are renumbered as the rows of a store that holds its live
+    passages only, in id order: row = id - (deleted ids below it).
+
+    A bundle's edit rewrites its passage store that way (unchanged passages in their order, a
+    replaced one in its place, the deleted ones gone, new ones at the end), so its ScaNN base
+    is never rebuilt: the store's rows are this index's ids. Live ids increase with their rows,
+    so ties still resolve to the lower row.
+
+    Attributes:
+      edited: the `EditedIndex` (base and edits, in its own ids).
+      count: C, the live passages (the store's rows).
+    """
+
+    kind = "edited"
+
+    def __init__(self, edited: EditedIndex, corpus_checksum: str | None = None):
+        """Args:
+        edited: the base and its edits.
+        corpus_checksum: the checksum of the store whose rows the ids are (provenance).
+        """
+        self.edited = edited
+        self.count, self.dim = edited._live_count, edited.dim
+        self.encoder_fingerprint = edited.encoder_fingerprint
+        self.corpus_checksum = corpus_checksum
+
+    @property
+    def nbytes(self) -> int:
+        return self.edited.nbytes
+
+    def rows_of(self, ids: np.ndarray) -> np.ndarray:
+        """The store rows of live `ids`."""
+        ids = np.asarray(ids, np.int64)
+        return ids - np.searchsorted(self.edited.deleted_ids, ids)
+
+    def ids_of(self, rows) -> np.ndarray:
+        """The live id of each store row in `rows`: the least id with `rows` live ids below it,
+        found by iterating id = row + (deleted ids <= id) from id = row upwards."""
+        rows = np.asarray(rows, np.int64).reshape(-1)
+        if len(rows) and not (0 <= rows.min() and rows.max() < self.count):
+            raise ValueError(f"rows must be in [0, {self.count}), got {rows.min()}..{rows.max()}")
+        ids = rows.copy()
+        while True:
+            moved = rows + np.searchsorted(self.edited.deleted_ids, ids, side="right")
+            if np.array_equal(moved, ids):
+                return ids
+            ids = moved
+
+    def edit(
+        self, replaced_rows, replaced_vectors, new_vectors, deleted_rows, corpus_checksum=None
+    ) -> LiveRowIndex:
+        """A new index after a store edit: the passages at `replaced_rows` get
+        `replaced_vectors`, `new_vectors` are appended (the store's new last rows, in order),
+        the passages at `deleted_rows` go. Rows are this index's (the store before the edit)."""
+        replaced = self.ids_of(replaced_rows)
+        new_vectors = np.asarray(new_vectors).reshape(-1, self.dim)
+        new_ids = np.arange(self.edited.count, self.edited.count + len(new_vectors))
+        vectors = np.concatenate(
+            [np.asarray(replaced_vectors).reshape(len(replaced), self.dim), new_vectors]
+        )
+        edited = self.edited.edit(
+            np.concatenate([replaced, new_ids]), vectors, self.ids_of(deleted_rows)
+        )
+        return LiveRowIndex(edited, corpus_checksum)
+
+    def search(self, queries, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """`EditedIndex.search` with store rows for ids: (scores [B, k] float32, rows [B, k])."""
+        scores, ids = self.edited.search(self._check_queries(queries), self._check_k(k))
+        return scores, self.rows_of(ids)

@@ -97,6 +97,20 @@ def _tokenize(tokenizer, texts: list[str]) -> list[list[int]]:
     return encoded["input_ids"]
 
 
+def _tokens(tokenizer, pieces: list[str], first: int, known_tokens) -> list:
+    """Token ids of `pieces` (records first, first + 1, ...): `known_tokens(i)` where it has
+    them, the tokenizer's (one call for the rest) elsewhere."""
+    known = (
+        [None] * len(pieces)
+        if known_tokens is None
+        else [known_tokens(first + i) for i in range(len(pieces))]
+    )
+    todo = [i for i, ids in enumerate(known) if ids is None]
+    for i, ids in zip(todo, _tokenize(tokenizer, [pieces[i] for i in todo]), strict=True):
+        known[i] = ids
+    return known
+
+
 def _check_tokenizer(
     tokenizer, pieces: list[str], sep_head: str, sep_tail: str, suffix: str = ""
 ) -> dict:
@@ -246,6 +260,7 @@ class PassageStore:
         doc_sep: str = " // ",
         batch_size: int = 1024,
         suffix: str = "",
+        known_tokens=None,
     ) -> "PassageStore":
         """Tokenises and writes a corpus, streaming; returns the store opened from disk.
 
@@ -258,6 +273,9 @@ class PassageStore:
           title_sep, doc_sep: HF `RagConfig.title_sep` / `doc_sep`.
           batch_size: records tokenised per tokenizer call.
           suffix: text after the question (a causal generator's answer cue; none for BART).
+          known_tokens: `known_tokens(i)` -> the token ids of record i's piece when the caller
+            already has them (an edit copying the unchanged passages of a store built with the
+            same tokenizer and layout), or None to tokenise it; None: tokenise every record.
 
         Raises:
           ValueError: a bad record (naming its index and field), a duplicate id, an empty corpus,
@@ -288,7 +306,9 @@ class PassageStore:
                 pieces = [_passage_piece(p, prefix, title_sep, sep_head) for p in passages]
                 if layout is None:
                     layout = _check_tokenizer(tokenizer, pieces, sep_head, sep_tail, suffix)
-                for passage, token_ids in zip(passages, _tokenize(tokenizer, pieces), strict=True):
+                for passage, token_ids in zip(
+                    passages, _tokens(tokenizer, pieces, count, known_tokens), strict=True
+                ):
                     writers[0].append(np.asarray(token_ids, "<i4").tobytes())
                     for writer, value in zip(writers[1:], passage, strict=True):
                         writer.append(value.encode("utf-8"))

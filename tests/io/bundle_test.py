@@ -21,6 +21,7 @@ from rag_jax.io import bundle, bundle_format
 from rag_jax.retrieval import files
 from rag_jax.retrieval.corpus import Passage
 from rag_jax.retrieval.retriever import Retriever
+from rag_jax.retrieval.edits import LiveRowIndex
 from rag_jax.retrieval.scann_index import ScannIndex
 from rag_jax.run import data, synthetic
 from rag_jax.training import evaluation, loop
@@ -456,11 +457,9 @@ def test_the_default_job_answers_edited_facts_from_the_edited_passages(tmp_path)
     assert not retrieved & {f.gold_id for f in read}
 
 
-def test_a_scann_bundle_is_rebuilt_on_edit_and_answers_alike(copy, tmp_path, trained):
-    """A run that searched with ScaNN bundles its searcher (scann/) beside the exact index; an
-    edit rebuilds it from the vectors."""
-    _, _, _, predictions = trained
-    exact = bundle.load(copy)
+def _as_scann_bundle(exact, directory) -> bundle.Bundle:
+    """The bundle `exact` with a ScaNN searcher over its vectors (settings.index "scann"),
+    saved to `directory` and loaded from there."""
     r = exact.retriever
     provenance = {
         "encoder_fingerprint": exact.encoder.fingerprint,
@@ -483,17 +482,68 @@ def test_a_scann_bundle_is_rebuilt_on_edit_and_answers_alike(copy, tmp_path, tra
         scann,
         settings,
     )
-    model.save(tmp_path / "scann_bundle")
-    loaded = bundle.load(tmp_path / "scann_bundle")
+    model.save(directory)
+    return bundle.load(directory)
+
+
+def test_a_scann_bundle_keeps_its_searcher_through_edits_and_answers_alike(copy, tmp_path, trained):
+    """A run that searched with ScaNN bundles its searcher (scann/) beside the exact index. An
+    edit keeps the searcher (its files linked, not written) and puts the edited passages beside
+    it (scann_edits.npz); below 20k passages ScaNN scores by brute force, so the edited bundle
+    retrieves exactly what the exact bundle edited the same way retrieves, row for row."""
+    _, _, _, predictions = trained
+    exact = bundle.load(copy)
+    loaded = _as_scann_bundle(exact, tmp_path / "scann_bundle")
     assert isinstance(loaded.retriever.index, ScannIndex) and loaded.manifest["index"] == "scann"
     questions = [p["question"] for p in predictions[:4]]
     want = [a.answer for a in exact.answer(questions)]
     assert [a.answer for a in loaded.answer(questions)] == want  # brute force below 20k passages
-    gone = loaded.answer(questions[:1])[0].passages[0].id
-    loaded.edit(deletes=[gone])
+
+    store = exact.store
+    rows = [3, 50, 120]
+    replaced = [Passage(store.ids[i], store.title(i), store.text(i) + " and more") for i in rows]
+    added = [Passage(f"new-{k}", "Added", store.text(k + 7)) for k in range(3)]
+    gone = [loaded.answer(questions[:1])[0].passages[0].id, store.ids[100]]
+    scann_inode = (tmp_path / "scann_bundle" / "scann" / "manifest.json").stat().st_ino
+    for model in (exact, loaded):
+        model.edit(upserts=replaced + added, deletes=gone)
+    report = loaded.edit(upserts=[added[0]._replace(text="edited again")], deletes=[added[1].id])
+    exact.edit(upserts=[added[0]._replace(text="edited again")], deletes=[added[1].id])
+    assert not report["index_rebuilt"]
+
     again = bundle.load(tmp_path / "scann_bundle")
-    assert isinstance(again.retriever.index, ScannIndex) and again.retriever.index.count == 191
-    assert gone not in {p.id for a in again.answer(questions) for p in a.passages}
+    index = again.retriever.index
+    assert isinstance(index, LiveRowIndex) and index.count == 192 - 2 + 3 - 1
+    assert again.manifest["scann_base"] == {
+        "corpus_checksum": store.checksum,
+        "count": 192,
+    }
+    assert (tmp_path / "scann_bundle" / "scann_edits.npz").is_file()
+    # The searcher's files are the first bundle's, linked through every edit.
+    assert (tmp_path / "scann_bundle" / "scann" / "manifest.json").stat().st_ino == scann_inode
+    reference = bundle.load(copy)
+    assert again.store.checksum == reference.store.checksum
+    queries = reference.retriever.vectors[[0, 3, 50, 189, 191]] + 0.01
+    scores, ids = index.search(queries, 10)
+    want_scores, want_ids = reference.retriever.index.search(queries, 10)
+    np.testing.assert_array_equal(ids, want_ids)
+    np.testing.assert_allclose(scores, want_scores, rtol=1e-6)  # ScaNN's sums, numpy's
+    assert [a.answer for a in again.answer(questions)] == [
+        a.answer for a in reference.answer(questions)
+    ]
+    assert gone[0] not in {p.id for a in again.answer(questions) for p in a.passages}
+
+
+def test_a_scann_bundle_is_rebuilt_once_its_edits_pass_a_tenth(copy, tmp_path):
+    loaded = _as_scann_bundle(bundle.load(copy), tmp_path / "scann_bundle")
+    store = loaded.store
+    assert not loaded.edit(deletes=list(store.ids[:19]))["index_rebuilt"]  # 19 of 192
+    report = loaded.edit(deletes=[store.ids[20], store.ids[21]])  # 21 edits since the build
+    assert report["index_rebuilt"] and report["count"] == 192 - 21
+    again = bundle.load(tmp_path / "scann_bundle")
+    assert isinstance(again.retriever.index, ScannIndex) and again.retriever.index.count == 171
+    assert "scann_base" not in again.manifest
+    assert not (tmp_path / "scann_bundle" / "scann_edits.npz").exists()
 
 
 def test_answers_while_an_edit_runs_read_one_snapshot(copy, trained):

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from rag_jax.retrieval import index, scann_index
-from rag_jax.retrieval.edits import EditedIndex
+from rag_jax.retrieval.edits import EditedIndex, LiveRowIndex
 
 C, D, E = 2_003, 24, 37  # C prime, distinct sizes
 
@@ -142,3 +142,34 @@ def test_edited_scann_index_recall_and_every_edited_neighbour_found():
         for score, i in zip(s, g):
             if int(i) in row_of:
                 assert abs(score - q @ new[row_of[int(i)]]) < 1e-5
+
+
+def test_live_rows_are_the_rows_of_a_store_without_the_deleted_passages():
+    """`LiveRowIndex` after three store edits (replace in place, delete, append) answers as an
+    exact index over the store's rows built fresh, and `ids_of` inverts `rows_of`."""
+    vectors, queries = _unit((C, D), 20), _unit((13, D), 21)
+    live = LiveRowIndex(EditedIndex(index.ExactIndex(vectors), [], []))
+    store = vectors.copy()  # row r of the store after each edit, rebuilt the plain way
+    rng = np.random.default_rng(22)
+    for step in range(3):
+        count = len(store)
+        replaced = rng.choice(count, 7, replace=False)
+        deleted = rng.choice(np.setdiff1d(np.arange(count), replaced), 5, replace=False)
+        replaced_vectors, new = _unit((7, D), 30 + step), _unit((4, D), 40 + step)
+        # The replaced rows hold a query's best passage next: their edit must be searched.
+        replaced_vectors[0] = queries[step]
+        live = live.edit(replaced, replaced_vectors, new, deleted)
+        store[replaced] = replaced_vectors
+        store = np.concatenate([np.delete(store, deleted, axis=0), new])
+        assert live.count == len(store)
+        for k in (1, 10):
+            want_scores, want_rows = index.ExactIndex(store).search(queries, k)
+            scores, rows = live.search(queries, k)
+            np.testing.assert_array_equal(rows, want_rows)
+            np.testing.assert_allclose(scores, want_scores, rtol=0, atol=1e-6)
+    every = np.arange(live.count)
+    np.testing.assert_array_equal(live.rows_of(live.ids_of(every)), every)
+    ids = live.ids_of(every)
+    assert (np.diff(ids) > 0).all() and not np.isin(ids, live.edited.deleted_ids).any()
+    with pytest.raises(ValueError, match=rf"rows must be in \[0, {live.count}\)"):
+        live.ids_of([live.count])
