@@ -105,3 +105,23 @@ def test_tune_returns_the_best_when_the_target_is_out_of_reach(sample_built):
 def test_sample_build_refuses_brute_force():
     with pytest.raises(ValueError, match="build='sample' needs scoring='ah'"):
         index.ScannIndex.build(_clustered(3000, 16, 1), build="sample", scoring="brute_force")
+
+
+def test_the_tree_is_spherical_for_unit_vectors_and_reaches_scann(tmp_path):
+    """Unit vectors get spherical k-means (it partitions them far better: benchmarks/scale.py),
+    others ScaNN's default; the choice is recorded and is what ScaNN was configured with."""
+    unit = _clustered(4000, 16, 5)
+    scaled = unit * np.random.default_rng(6).uniform(0.5, 3, (4000, 1)).astype(np.float32)
+    assert scann_index.is_unit_norm(unit) and not scann_index.is_unit_norm(scaled)
+    assert scann_index.is_unit_norm(unit.astype(np.float16))  # float16 rounding is within 1e-2
+    for vectors, want in ((unit, True), (scaled, False), (unit, False)):
+        forced = None if vectors is scaled or want else False
+        ix = index.ScannIndex.build(vectors, num_leaves=20, scoring="ah", spherical=forced)
+        assert ix.config["spherical"] is want
+        assert ("partitioning_type: SPHERICAL" in ix.searcher.config()) is want
+        ix.save(tmp_path / "ix")
+        loaded = index.load(tmp_path / "ix")
+        assert loaded.config["spherical"] is want
+        assert ("partitioning_type: SPHERICAL" in loaded.searcher.config()) is want
+    # Without a tree there is no partitioning to choose.
+    assert "spherical" not in index.ScannIndex.build(unit, scoring="brute_force").config
