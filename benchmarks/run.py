@@ -34,6 +34,11 @@ def main(argv=None):
     parser.add_argument(
         "--scale_sizes", default="", help="scale suite: comma-separated corpus sizes (1M,2M,4M)"
     )
+    parser.add_argument(
+        "--scale_indexes",
+        default="",
+        help="scale suite: comma-separated subset of exact,scann,hnsw,ivfpq (default: all)",
+    )
     args = parser.parse_args(argv)
 
     # XLA's CPU client uses every core of the machine (2 here); torch is given the same count.
@@ -62,7 +67,8 @@ def main(argv=None):
         print(f"\n== {name} ==")
         if name == "scale":  # the one suite with sizes of its own
             sizes = [int(n) for n in args.scale_sizes.split(",") if n]
-            result = suite.run(quick=args.quick, sizes=sizes or None, out=args.out)
+            indexes = [n for n in args.scale_indexes.split(",") if n] or None
+            result = suite.run(quick=args.quick, sizes=sizes or None, out=args.out, indexes=indexes)
         else:
             result = suite.run(quick=args.quick)
         result["host"] = host_settings

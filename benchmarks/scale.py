@@ -473,16 +473,39 @@ def minilm_squad_vectors(cache: str, num_questions: int = 1000) -> str | None:
 # The suite
 
 
-def _one_size(count: int, scratch: str, num_queries: int, singles: int) -> list:
+INDEXES = ("exact", "scann", "hnsw", "ivfpq")
+
+
+def _one_size(count: int, scratch: str, num_queries: int, singles: int, indexes=INDEXES) -> list:
     path = os.path.join(scratch, f"vectors_{count}.npy")
     start = time.perf_counter()
     queries = write_vectors(path, count, num_queries, seed=0)
     print(f"  {count}: vectors written in {time.perf_counter() - start:.0f} s", flush=True)
+    # Exact search is the truth every other row's recall is measured against: always run.
     exact, memory = _in_child(exact_child, path, queries, min(singles, 5))
     rows = [exact["row"] | memory]
     print(json.dumps(rows[-1]), flush=True)
     true_ids = exact["true_ids"]
+    if "scann" in indexes:
+        rows.append(_scann_row(count, path, scratch, queries, true_ids, singles))
+    if "hnsw" in indexes and count <= HNSW_MAX:
+        hnsw, memory = _in_child(hnsw_child, path, queries, true_ids, singles)
+        rows.append(hnsw | memory)
+        print(json.dumps(rows[-1]), flush=True)
+    elif "hnsw" in indexes:
+        rows.append({"index": "faiss HNSW32,SQfp16", "setting": f"not built above {HNSW_MAX}"})
+    if "ivfpq" in indexes:
+        ivf, memory = _in_child(ivfpq_child, path, queries, true_ids, singles)
+        rows += [row | memory for row in ivf]
+    os.remove(path)
+    for row in rows:
+        row["count"] = count
+        print(json.dumps(row), flush=True)  # one JSON line per index and size, all together
+    return rows
 
+
+def _scann_row(count: int, path: str, scratch: str, queries, true_ids, singles: int) -> dict:
+    """The ScaNN row: built in one process, searched, tuned and edited in another."""
     out_dir = os.path.join(scratch, "scann")
     build, build_memory = _in_child(scann_build_child, path, out_dir)
     edit_ids, edit_vectors = make_edits(count, queries, true_ids, seed=4)
@@ -496,23 +519,9 @@ def _one_size(count: int, scratch: str, num_queries: int, singles: int) -> list:
         "disk_mb": build["disk_mb"],
     }
     scann_row |= build_memory | {f"search_{k}": v for k, v in search_memory.items()}
-    rows.append(scann_row)
     shutil.rmtree(out_dir)
     print(f"  {count}: {json.dumps(scann_row)}", flush=True)
-
-    if count <= HNSW_MAX:
-        hnsw, memory = _in_child(hnsw_child, path, queries, true_ids, singles)
-        rows.append(hnsw | memory)
-        print(json.dumps(rows[-1]), flush=True)
-    else:
-        rows.append({"index": "faiss HNSW32,SQfp16", "setting": f"not built above {HNSW_MAX}"})
-    ivf, memory = _in_child(ivfpq_child, path, queries, true_ids, singles)
-    rows += [row | memory for row in ivf]
-    os.remove(path)
-    for row in rows:
-        row["count"] = count
-        print(json.dumps(row), flush=True)  # one JSON line per index and size, all together
-    return rows
+    return scann_row
 
 
 def growth(rows: list, figures=tuple(MODEL_EXPONENTS)) -> list:
@@ -553,14 +562,18 @@ def growth(rows: list, figures=tuple(MODEL_EXPONENTS)) -> list:
     return out
 
 
-def run(quick: bool, sizes=None, out: str = "bench_results") -> dict:
+def run(quick: bool, sizes=None, out: str = "bench_results", indexes=None) -> dict:
     sizes = tuple(sizes or (QUICK_SIZES if quick else SIZES))
+    indexes = tuple(indexes or INDEXES)
+    unknown = set(indexes) - set(INDEXES)
+    if unknown:
+        raise ValueError(f"unknown scale indexes {sorted(unknown)}; choose from {INDEXES}")
     num_queries = 256 if quick else NUM_QUERIES
     singles = 20 if quick else SINGLE_QUERIES
     rows = []
     with tempfile.TemporaryDirectory(prefix="rag_jax_scale_") as scratch:
         for count in sizes:
-            rows += _one_size(count, scratch, num_queries, singles)
+            rows += _one_size(count, scratch, num_queries, singles, indexes)
         real = None if quick else minilm_squad_vectors(os.path.join(out, "minilm_squad_train.npz"))
         difficulty, _ = _in_child(difficulty_child, 18_896 if real else 20_000, 1000, real)
     extrapolated = growth(rows)
@@ -595,6 +608,7 @@ def run(quick: bool, sizes=None, out: str = "bench_results") -> dict:
             "single_queries": singles,
             "edits": EDITS,
             "target": TARGET,
+            "indexes": list(indexes),
         },
         "threads": os.cpu_count(),
     }

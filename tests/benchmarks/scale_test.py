@@ -89,3 +89,12 @@ def test_suite_end_to_end_at_20k(tmp_path):
     figures = {(r["index"], r["figure"]) for r in result["extrapolated"]}
     assert ("ScannIndex", "build_s") in figures and ("ScannIndex", "edit_s") in figures
     assert result["difficulty"]["synthetic"]["relative_contrast"] > 1
+
+
+@pytest.mark.slow
+def test_suite_runs_the_indexes_asked_for(tmp_path):
+    result = scale.run(quick=True, out=str(tmp_path), indexes=["scann"])
+    assert [row["index"] for row in result["rows"]] == ["ExactIndex (mmap)", "ScannIndex"]
+    assert result["config"]["indexes"] == ["scann"]
+    with pytest.raises(ValueError, match="unknown scale indexes \\['flat'\\]"):
+        scale.run(quick=True, out=str(tmp_path), indexes=["flat"])
