@@ -145,6 +145,7 @@ class ScannIndex(Index):
         training_threads: int = 0,
         build: str | None = None,
         spherical: bool | None = None,
+        training_iterations: int | None = None,
         seed: int = 0,
         encoder_fingerprint: str | None = None,
         corpus_checksum: str | None = None,
@@ -174,6 +175,7 @@ class ScannIndex(Index):
             recall@10 searching 5% of the leaves rose from 0.89 to 0.99. None: when the vectors
             are unit-norm (`is_unit_norm` of the training sample), as normalised encoders (all-
             MiniLM, e5, bge) produce them; DPR's unnormalised vectors keep ScaNN's default.
+          training_iterations: k-means iterations of the tree (None: ScaNN's 12).
           seed: draws a "sample" build's training sample.
           encoder_fingerprint: provenance string written to the manifest.
           corpus_checksum: provenance string written to the manifest.
@@ -224,11 +226,17 @@ class ScannIndex(Index):
         builder = scann.scann_ops_pybind.builder(data, 10, "dot_product")
         if config["num_leaves"]:
             config["spherical"] = bool(is_unit_norm(data) if spherical is None else spherical)
+            iterations = {}
+            if training_iterations is not None:
+                iterations["training_iterations"] = config["training_iterations"] = int(
+                    training_iterations
+                )
             builder = builder.tree(
                 config["num_leaves"],
                 config["num_leaves_to_search"],
                 training_sample_size=config["training_sample_size"],
                 spherical=config["spherical"],
+                **iterations,
             )
         if config["scoring"] == "ah":
             builder = builder.score_ah(

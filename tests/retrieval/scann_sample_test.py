@@ -125,3 +125,13 @@ def test_the_tree_is_spherical_for_unit_vectors_and_reaches_scann(tmp_path):
         assert ("partitioning_type: SPHERICAL" in loaded.searcher.config()) is want
     # Without a tree there is no partitioning to choose.
     assert "spherical" not in index.ScannIndex.build(unit, scoring="brute_force").config
+
+
+def test_training_iterations_reach_scann():
+    vectors = _clustered(4000, 16, 7)
+    ix = index.ScannIndex.build(vectors, num_leaves=20, scoring="ah", training_iterations=30)
+    assert ix.config["training_iterations"] == 30
+    assert "max_clustering_iterations: 30" in ix.searcher.config()
+    assert "max_clustering_iterations: 12" in index.ScannIndex.build(
+        vectors, num_leaves=20, scoring="ah"
+    ).searcher.config()
