@@ -2,6 +2,7 @@ r"""What ScaNN's recall depends on at scale: its tree's training, the leaves sea
 
     python -m benchmarks.scann_tree --count 1000000 --variants generic,spherical,iterations30
     python -m benchmarks.scann_tree --count 200000 --variants generic,whole --depths 100,200,400
+    python -m benchmarks.scann_tree --real bench_results/minilm_squad_train.npz --leaves 137
 
 On the scale suite's draw (`benchmarks.scale.write_vectors`: C / 200 centres, unit float16
 vectors, held-out queries drawn alike; truth from `ExactIndex`), one "sample" build per variant
@@ -16,7 +17,9 @@ float16 file) with sqrt(C) leaves unless the variant says otherwise, then recall
 - whole: a "whole" build (ScaNN holds float32 copies and rescores itself) of the generic tree
   (below 500k vectors every variant's build is "whole", `scann_defaults`).
 
-One JSON line per variant: build seconds and the recalls.
+With `--real`, the vectors are those `python -m benchmarks.run --suites scale` caches (MiniLM
+on SQuAD train's 18,896 paragraphs and its first 1,000 questions as queries), with a tree of
+`--leaves` forced on them. One JSON line per variant: build seconds and the recalls.
 """
 
 import argparse
@@ -38,29 +41,43 @@ VARIANTS = {  # ScannIndex.build's arguments (leaves_factor: sqrt(C) leaves time
     "leaves4x": {"spherical": False, "leaves_factor": 4},
     "whole": {"spherical": False, "build": "whole"},
 }
-FRACTIONS = (0.01, 0.05, 0.1)
+FRACTIONS = (0.01, 0.05, 0.1, 0.3)
 
 
-def build(vectors, variant: dict, seed: int = 0) -> scann_index.ScannIndex:
-    """`ScannIndex.build` with the variant's tree."""
+def build(vectors, variant: dict, seed: int = 0, leaves: int = 0) -> scann_index.ScannIndex:
+    """`ScannIndex.build` with the variant's tree (`leaves`: 0 = sqrt(C))."""
     variant = dict(variant)
-    leaves = round(math.sqrt(len(vectors))) * variant.pop("leaves_factor", 1)
+    leaves = (leaves or round(math.sqrt(len(vectors)))) * variant.pop("leaves_factor", 1)
     sample = max(100_000, 64 * leaves)
     return index.ScannIndex.build(
         vectors, num_leaves=leaves, training_sample_size=sample, seed=seed, **variant
     )
 
 
-def run(count: int, variants: list[str], depths: list[int], queries: int = 512) -> list[dict]:
+def run(
+    count: int,
+    variants: list[str],
+    depths: list[int],
+    queries: int = 512,
+    real: str | None = None,
+    leaves: int = 0,
+) -> list[dict]:
+    """`real`: an .npz of `passages` and `questions` vectors (`benchmarks.scale.
+    minilm_squad_vectors`: MiniLM on SQuAD) searched instead of the synthetic draw."""
     rows = []
     with tempfile.TemporaryDirectory(prefix="rag_jax_tree_") as tmp:
-        path = os.path.join(tmp, "vectors.npy")
-        q = scale.write_vectors(path, count, queries, seed=0)
-        vectors = np.load(path, mmap_mode="r")
+        if real:
+            with np.load(real) as arrays:
+                vectors, q = arrays["passages"], arrays["questions"]
+            count = len(vectors)
+        else:
+            path = os.path.join(tmp, "vectors.npy")
+            q = scale.write_vectors(path, count, queries, seed=0)
+            vectors = np.load(path, mmap_mode="r")
         true_ids = index.ExactIndex(vectors).search(q, 10)[1]
         for name in variants:
             start = time.perf_counter()
-            ix = build(vectors, VARIANTS[name])
+            ix = build(vectors, VARIANTS[name], leaves=leaves)
             seconds = time.perf_counter() - start
             leaves = ix.config["num_leaves"]
             recall = {}
@@ -72,6 +89,7 @@ def run(count: int, variants: list[str], depths: list[int], queries: int = 512) 
                         scann_index.recall_at_k(ids, true_ids), 4
                     )
             row = {
+                "vectors": real or "synthetic",
                 "count": count,
                 "variant": name,
                 "leaves": leaves,
@@ -91,12 +109,15 @@ def main(argv=None):
     parser.add_argument("--count", type=int, default=1_000_000)
     parser.add_argument("--variants", default="generic,spherical")
     parser.add_argument("--depths", default="100", help="reordering depths, comma-separated")
+    parser.add_argument("--real", default="", help="an .npz of passages/questions vectors")
+    parser.add_argument("--leaves", type=int, default=0, help="leaves (0: sqrt of the count)")
     args = parser.parse_args(argv)
     names = args.variants.split(",")
     unknown = set(names) - set(VARIANTS)
     if unknown:
         parser.error(f"unknown variants {sorted(unknown)}; choose from {sorted(VARIANTS)}")
-    run(args.count, names, [int(d) for d in args.depths.split(",")])
+    depths = [int(d) for d in args.depths.split(",")]
+    run(args.count, names, depths, real=args.real or None, leaves=args.leaves)
 
 
 if __name__ == "__main__":
