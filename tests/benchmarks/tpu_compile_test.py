@@ -146,7 +146,6 @@ def test_a_config_that_cannot_fit_says_which_part_and_what_would(target):
     assert "more than the 15.75 GiB of HBM per chip" in tips["why"]
 
 
-
 def test_an_int8_device_index_halves_the_bfloat16_shard_in_the_compiled_step(target):
     """The in-step search over 2^22 x 64 rows (2^20 a chip): int8 codes and a float32 scale a
     row take 68 bytes a row against bfloat16's 128, in the arguments and in the compiled
@@ -161,6 +160,7 @@ def test_an_int8_device_index_halves_the_bfloat16_shard_in_the_compiled_step(tar
     assert rows["int8"]["arguments"]["index shard"] == per_chip * (64 + 4)
     saved = rows[""]["memory"]["total"] - rows["int8"]["memory"]["total"]
     assert saved >= per_chip * (128 - 68) * 0.9, (rows[""]["memory"], rows["int8"]["memory"])
+
 
 def _cli(*args):
     return subprocess.run(

@@ -20,8 +20,8 @@ from rag_jax.devices import distributed
 from rag_jax.io import bundle, bundle_format
 from rag_jax.retrieval import files
 from rag_jax.retrieval.corpus import Passage
-from rag_jax.retrieval.retriever import Retriever
 from rag_jax.retrieval.edits import LiveRowIndex
+from rag_jax.retrieval.retriever import Retriever
 from rag_jax.retrieval.scann_index import ScannIndex
 from rag_jax.run import data, synthetic
 from rag_jax.training import evaluation, loop

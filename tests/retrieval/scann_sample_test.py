@@ -132,6 +132,7 @@ def test_training_iterations_reach_scann():
     ix = index.ScannIndex.build(vectors, num_leaves=20, scoring="ah", training_iterations=30)
     assert ix.config["training_iterations"] == 30
     assert "max_clustering_iterations: 30" in ix.searcher.config()
-    assert "max_clustering_iterations: 12" in index.ScannIndex.build(
-        vectors, num_leaves=20, scoring="ah"
-    ).searcher.config()
+    assert (
+        "max_clustering_iterations: 12"
+        in index.ScannIndex.build(vectors, num_leaves=20, scoring="ah").searcher.config()
+    )
