@@ -508,8 +508,11 @@ def _edited_scann(directory: pathlib.Path, manifest: dict, verify: bool) -> Live
         with np.load(path, allow_pickle=False) as arrays:
             edits = {k: arrays[k] for k in ("edited_ids", "edited_vectors", "deleted_ids")}
         index = LiveRowIndex(EditedIndex(base, **edits), manifest["corpus_checksum"])
-    except (KeyError, ValueError, OSError) as e:
-        raise ValueError(f"{path}: not the edits of {directory / 'scann'} ({e})") from None
+    except Exception as e:  # a damaged zip (BadZipFile), a missing array, inconsistent edits
+        raise ValueError(
+            f"{path}: not readable as the edits of {directory / 'scann'} "
+            f"({type(e).__name__}: {e}); restore the bundle from a good copy"
+        ) from None
     if index.count != manifest["count"]:
         raise ValueError(
             f"{path}: the edits leave {index.count} passages, the manifest "

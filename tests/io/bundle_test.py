@@ -546,6 +546,19 @@ def test_a_scann_bundle_is_rebuilt_once_its_edits_pass_a_tenth(copy, tmp_path):
     assert not (tmp_path / "scann_bundle" / "scann_edits.npz").exists()
 
 
+def test_damaged_scann_edits_are_refused_naming_the_file(copy, tmp_path):
+    loaded = _as_scann_bundle(bundle.load(copy), tmp_path / "scann_bundle")
+    loaded.edit(deletes=[loaded.store.ids[0]])
+    path = tmp_path / "scann_bundle" / "scann_edits.npz"
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2 : len(data) // 2 + 64] = bytes(64)  # same size: only sha256 tells
+    path.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="scann_edits.npz"):
+        bundle.load(tmp_path / "scann_bundle")  # the manifest's sha256
+    with pytest.raises(ValueError, match=r"scann_edits.npz: not readable as the edits of"):
+        bundle.load(tmp_path / "scann_bundle", verify=False)
+
+
 def test_answers_while_an_edit_runs_read_one_snapshot(copy, trained):
     """`edit` swaps the knowledge whole: concurrent answers see the old passages or the new,
     never a mix, and never fail."""
