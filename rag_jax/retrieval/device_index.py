@@ -140,7 +140,7 @@ class DeviceIndex(Index):
     same queries (checked) and gets the same results.
 
     `storage="int8"` keeps each row as int8 codes with a float32 scale (`quantize_int8`:
-    scale = max |x| / 127), a quarter of float32's bytes and half of bfloat16's (21M x 768: 16.1
+    scale = max |x| / 127), a quarter of float32's bytes and half of bfloat16's (21M x 768: 16.2
     GB over the devices, 2.0 GB a v5e-8 chip), and scores a row as (q . codes) * scale. The ids
     are then those of the quantised vectors: approximate, like approx_max_k's (the recall is
     measured against exact search in tests/retrieval/device_index_test.py). The doc scores
