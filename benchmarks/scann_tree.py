@@ -62,8 +62,9 @@ def run(
     real: str | None = None,
     leaves: int = 0,
 ) -> list[dict]:
-    """`real`: an .npz of `passages` and `questions` vectors (`benchmarks.scale.
-    minilm_squad_vectors`: MiniLM on SQuAD) searched instead of the synthetic draw."""
+    """`real`: an .npz of `passages` and `questions` vectors (MiniLM on SQuAD, as
+    `benchmarks.scale_difficulty.minilm_squad_vectors` writes it) searched instead of the
+    synthetic draw."""
     rows = []
     with tempfile.TemporaryDirectory(prefix="rag_jax_tree_") as tmp:
         if real:

@@ -98,13 +98,9 @@ def _tokenize(tokenizer, texts: list[str]) -> list[list[int]]:
 
 
 def _tokens(tokenizer, pieces: list[str], first: int, known_tokens) -> list:
-    """Token ids of `pieces` (records first, first + 1, ...): `known_tokens(i)` where it has
-    them, the tokenizer's (one call for the rest) elsewhere."""
-    known = (
-        [None] * len(pieces)
-        if known_tokens is None
-        else [known_tokens(first + i) for i in range(len(pieces))]
-    )
+    """Token ids of `pieces` (records `first`, ...): `known_tokens`' if any, else tokenised."""
+    lookup = known_tokens or (lambda i: None)
+    known = [lookup(first + i) for i in range(len(pieces))]
     todo = [i for i, ids in enumerate(known) if ids is None]
     for i, ids in zip(todo, _tokenize(tokenizer, [pieces[i] for i in todo]), strict=True):
         known[i] = ids
@@ -306,9 +302,8 @@ class PassageStore:
                 pieces = [_passage_piece(p, prefix, title_sep, sep_head) for p in passages]
                 if layout is None:
                     layout = _check_tokenizer(tokenizer, pieces, sep_head, sep_tail, suffix)
-                for passage, token_ids in zip(
-                    passages, _tokens(tokenizer, pieces, count, known_tokens), strict=True
-                ):
+                tokens = _tokens(tokenizer, pieces, count, known_tokens)
+                for passage, token_ids in zip(passages, tokens, strict=True):
                     writers[0].append(np.asarray(token_ids, "<i4").tobytes())
                     for writer, value in zip(writers[1:], passage, strict=True):
                         writer.append(value.encode("utf-8"))
