@@ -148,7 +148,7 @@ class DeviceIndex(Index):
     """
 
     kind = "exact"  # on disk it is an exact index: the same vectors file and manifest
-    _AUX = ("count", "dim", "mesh", "axis", "recall_target", "precision", "block_rows", "storage")
+    _AUX = ("count", "dim", "mesh", "axis", "recall_target", "precision", "block_rows")
     _AUX += ("encoder_fingerprint", "corpus_checksum")
 
     def __init__(
@@ -217,13 +217,12 @@ class DeviceIndex(Index):
             )  # -> [C'] float32
         else:
             self.vectors = jax.make_array_from_callback((padded, dim), placed, rows)  # [C', D]
-        self._set(count, dim, mesh, axis, recall_target, precision, block_rows, storage)
+        self._set(count, dim, mesh, axis, recall_target, precision, block_rows)
         self.encoder_fingerprint = encoder_fingerprint
         self.corpus_checksum = corpus_checksum
 
-    def _set(self, count, dim, mesh, axis, recall_target, precision, block_rows, storage=""):
+    def _set(self, count, dim, mesh, axis, recall_target, precision, block_rows):
         self.count, self.dim, self.mesh, self.axis = count, dim, mesh, axis
-        self.storage = storage
         if recall_target is None and mesh.devices.flat[0].platform == "tpu":
             recall_target = 0.95
         self.recall_target = None if recall_target is None else float(recall_target)
@@ -240,12 +239,13 @@ class DeviceIndex(Index):
         the constructor's `recall_target`, `precision`, `block_rows` and `storage` (with
         "int8", `dtype` is the vectors' before quantisation and is not used)."""
         options = {"recall_target": None, "precision": None, "block_rows": 65536, **options}
-        _check_storage(options.get("storage", ""))
+        storage = options.pop("storage", "")
+        _check_storage(storage)
+        int8 = storage == "int8"
         if axis not in mesh.shape:
             raise ValueError(f"mesh has axes {tuple(mesh.shape)}, not {axis!r}")
         padded = -(-count // mesh.shape[axis]) * mesh.shape[axis]
         index = object.__new__(cls)
-        int8 = options.get("storage") == "int8"
         index.vectors = jax.ShapeDtypeStruct(
             (padded, dim), jnp.int8 if int8 else dtype, sharding=NamedSharding(mesh, P(axis, None))
         )  # -> [C', D]
@@ -268,6 +268,11 @@ class DeviceIndex(Index):
         for name, value in zip(cls._AUX, aux):
             setattr(index, name, value)
         return index
+
+    @property
+    def storage(self) -> str:
+        """ "int8" when the rows are codes with scales, else "" (the vectors' own dtype)."""
+        return "" if self.scales is None else "int8"
 
     @property
     def nbytes(self) -> int:
