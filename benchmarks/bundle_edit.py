@@ -35,9 +35,9 @@ from rag_jax.retrieval import corpus, synthetic_corpus
 EDITS = {"replaced": 500, "added": 250, "deleted": 250}
 
 
-def make_bundle(source: str, count: int, scratch: pathlib.Path) -> dict:
-    """The bundle at `source` with N synthetic passages, their vectors and a ScaNN searcher over
-    them, saved to `scratch/bundle`; returns the setup's times."""
+def make_bundle(source: str, count: int, scratch: pathlib.Path, target: pathlib.Path) -> dict:
+    """The bundle at `source` with N synthetic passages (written in `scratch`), their vectors
+    and a ScaNN searcher over them, saved to `target`; returns the setup's times."""
     from rag_jax.io import bundle
     from rag_jax.retrieval.retriever import Retriever, encode_store
     from rag_jax.retrieval.scann_index import ScannIndex
@@ -76,7 +76,7 @@ def make_bundle(source: str, count: int, scratch: pathlib.Path) -> dict:
         settings,
     )
     start = time.perf_counter()
-    big.save(scratch / "bundle")
+    big.save(target)
     times["save_s"] = time.perf_counter() - start
     return {k: round(v, 1) for k, v in times.items()}
 
@@ -134,15 +134,23 @@ def _linked_copy(source: pathlib.Path, target: pathlib.Path) -> None:
 
 
 def run(bundle_dir: str, sizes: list[int], scratch_root: str | None) -> list[dict]:
+    """With `scratch_root`, each size's bundle is kept in `<scratch_root>/bundle_<N>` and reused
+    by the next run (the setup is most of the time at millions of passages)."""
     rows = []
     for count in sizes:
         with tempfile.TemporaryDirectory(dir=scratch_root) as tmp:
             scratch = pathlib.Path(tmp)
-            setup = make_bundle(bundle_dir, count, scratch)
-            print(json.dumps({"passages": count, "setup": setup}), flush=True)
+            source = scratch / "bundle"
+            if scratch_root is not None:
+                source = pathlib.Path(scratch_root) / f"bundle_{count}"
+            if (source / "manifest.json").exists():
+                print(json.dumps({"passages": count, "setup": f"reused {source}"}), flush=True)
+            else:
+                setup = make_bundle(bundle_dir, count, scratch, source)
+                print(json.dumps({"passages": count, "setup": setup}), flush=True)
             for fold in (False, True):
                 folder = scratch / ("rebuilt" if fold else "kept")
-                _linked_copy(scratch / "bundle", folder)
+                _linked_copy(source, folder)
                 result, memory = scale._in_child(edit_child, str(folder), fold, 0)
                 row = {"passages": count, "edit": EDITS, **result, **memory}
                 print(json.dumps(row), flush=True)
@@ -154,7 +162,9 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--bundle", default="/tmp/rag_default/bundle", help="a bundle folder")
     parser.add_argument("--passages", default="200000", help="comma-separated corpus sizes")
-    parser.add_argument("--scratch", default=None, help="folder for the corpora (default /tmp)")
+    parser.add_argument(
+        "--scratch", default=None, help="folder for the corpora, kept and reused (default: a temp)"
+    )
     args = parser.parse_args(argv)
     run(args.bundle, [int(n) for n in args.passages.split(",")], args.scratch)
 

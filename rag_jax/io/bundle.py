@@ -22,7 +22,6 @@ D vector width, C corpus size.
 
 import copy
 import dataclasses
-import hashlib
 import pathlib
 import threading
 from collections.abc import Iterable
@@ -34,13 +33,14 @@ from rag_jax import rag
 from rag_jax.io import answers, bundle_format, hf_export
 from rag_jax.io.answers import AnswerSetting
 from rag_jax.io.bundle_format import Settings
-from rag_jax.retrieval import files
-from rag_jax.retrieval.corpus import Passage, check_record, corpus_checksum, update_checksum
+from rag_jax.retrieval import files, store_edit
+from rag_jax.retrieval.corpus import Passage, check_record
 from rag_jax.retrieval.edits import EditedIndex, LiveRowIndex
 from rag_jax.retrieval.index import ExactIndex
 from rag_jax.retrieval.retriever import PassageEncoder, Retriever
 from rag_jax.retrieval.scann_index import ScannIndex
 from rag_jax.retrieval.store import PassageStore
+from rag_jax.retrieval.store_edit import RowEdit
 
 FORMAT, VERSION = bundle_format.FORMAT, bundle_format.VERSION
 # An edit keeps the ScaNN searcher while the passages edited since it was built (replaced,
@@ -272,8 +272,10 @@ class Bundle(answers.Answering):
 
         Upserted passages replace the passage of the same id in place, or are appended; only
         they are encoded (with the bundle's passage encoder), the other passages keep their
-        vectors. The store is rewritten (the unchanged passages' tokens copied, not tokenised
-        again) and the exact index updated with the new rows. A ScaNN searcher is kept as it
+        vectors. The store and the exact index's vectors are written anew, the unchanged rows'
+        bytes copied as runs between the edited rows (`retrieval.store_edit`: no unchanged
+        passage tokenised again, nothing of the corpus held in memory beyond a block; the
+        cost is linear in the bundle's bytes, at copying speed). A ScaNN searcher is kept as it
         was built, its files linked into the new folder, with every passage edited since beside
         it in `scann_edits.npz` (`retrieval.edits.LiveRowIndex`: searched exactly, merged by
         score), until those passages pass `FOLD_EDITS` of the ones it was built on: that edit
@@ -311,111 +313,92 @@ class Bundle(answers.Answering):
             generator_tokenizer, encoder = self._edit_tokenizers
             knowledge = self._knowledge
             store, old_vectors = knowledge.retriever.store, knowledge.retriever.vectors
-            changed, gone = _check_edit(upserts, deletes, store)
+            changed, gone = _check_edit(upserts, deletes)
+            rows = store_edit.find_rows(store, [*changed, *gone])
+            missing = gone - rows.keys()
+            if missing:
+                raise ValueError(
+                    "cannot delete ids that are not in the bundle's passages: "
+                    f"{sorted(missing)[:5]}"
+                )
             old_dir = self.directory
             # Before anything is read or written: the files the edit carries over (the model's,
-            # linked; the passages and vectors, rebuilt from) must be the ones sealed, or their
+            # linked; the passages and vectors, copied from) must be the ones sealed, or their
             # damage would be sealed into the new manifest.
             model_records = bundle_format.check_bundle(old_dir, knowledge.manifest)
-            passages, kept, encoded = [], [], []  # kept: (new row, old row)
-            replaced, deleted = [], []  # old rows
-            read = hashlib.sha256()  # the records as read (memory-mapped): the sealed ones?
-            for i in range(len(store)):
-                passage = store.passage(i)
-                update_checksum(read, passage)
-                if passage.id in gone:
-                    deleted.append(i)
-                    continue
-                if passage.id in changed:
-                    encoded.append(len(passages))
-                    replaced.append(i)
-                    passages.append(changed.pop(passage.id))
-                else:
-                    kept.append((len(passages), i))
-                    passages.append(passage)
-            if read.hexdigest() != knowledge.manifest["corpus_checksum"]:
+            # The records as read (memory-mapped): still the sealed ones?
+            if store_edit.store_checksum(store) != knowledge.manifest["corpus_checksum"]:
                 raise bundle_format.DamagedBundleError(
                     f"the passages read from {store.directory} differ from the corpus_checksum "
                     f"of {old_dir / files.MANIFEST}: the store changed after it was checked; "
                     "the edit was not written; restore the bundle from a good copy"
                 )
-            for passage in changed.values():  # new ids, in the order given
-                encoded.append(len(passages))
-                passages.append(passage)
-            if len(passages) < self.rag_cfg.n_docs:
+            replaced = {rows[pid]: p for pid, p in changed.items() if pid in rows}
+            appended = [p for pid, p in changed.items() if pid not in rows]  # in the order given
+            edit = RowEdit.of(len(store), replaced, [rows[pid] for pid in gone], len(appended))
+            if edit.new_count < self.rag_cfg.n_docs:
                 raise ValueError(
-                    f"the edit leaves {len(passages)} passages, fewer than n_docs="
+                    f"the edit leaves {edit.new_count} passages, fewer than n_docs="
                     f"{self.rag_cfg.n_docs}"
                 )
-            vectors = np.empty((len(passages), old_vectors.shape[1]), np.float32)
-            if kept:
-                new_rows, old_rows = (np.asarray(x) for x in zip(*kept))
-                vectors[new_rows] = old_vectors[old_rows]
-            if encoded:
-                vectors[encoded] = encoder.encode([passages[i] for i in encoded])
-            checksum = corpus_checksum(passages)
-            # A ScaNN searcher is kept and the edits put beside it (exact, searched with it),
-            # until they pass `FOLD_EDITS` of the corpus: then it is built again.
-            scann = _scann_after_edit(
-                knowledge.retriever.index, replaced, vectors[encoded], deleted, checksum
-            )
-            base_from = None
-            if scann is not None:
-                base_records = {
-                    rel: dict(record)
-                    for rel, record in knowledge.manifest["files"].items()
-                    if rel.startswith("scann/")
-                }
-                base_from = (old_dir, base_records)
-            unchanged = {new_row: old_row for new_row, old_row in kept}
-
-            def known_tokens(row):  # the store's tokens of an unchanged passage: not again
-                old_row = unchanged.get(row)
-                return None if old_row is None else store.passage_token_ids(old_row)
-
-            layout = {k: store.manifest[k] for k in ("prefix", "title_sep", "doc_sep")}
-            layout["suffix"] = store.manifest.get("suffix", "")
+            passages = [replaced[row] for row in edit.replaced.tolist()] + appended
+            new_vectors = np.zeros((0, old_vectors.shape[1]), old_vectors.dtype)
+            if passages:
+                new_vectors = encoder.encode(passages).astype(old_vectors.dtype, copy=False)
+            vectors = store_edit.EditedVectors(edit, old_vectors, new_vectors)
+            manifest = dict(knowledge.manifest, count=edit.new_count)
+            manifest.pop("scann_base", None)
+            written = {}
 
             def write_fn(tmp):
                 tmp = pathlib.Path(tmp)
                 # Unchanged: hard links of the files checked above, recorded as checked (the
                 # returned records): hashed again, damage done since the check would be sealed.
                 linked = bundle_format.link_model(old_dir, tmp, model_records)
-                built = PassageStore.build(
-                    passages,
-                    generator_tokenizer,
-                    tmp / "passages",
-                    **layout,
-                    known_tokens=known_tokens,
+                built = store_edit.edit_store(
+                    store, tmp / "passages", generator_tokenizer, edit, passages
                 )
-                if built.checksum != checksum:  # both hash the same records: never differs
-                    raise RuntimeError(f"store checksum {built.checksum} != {checksum}")
+                checksum = built.checksum
+                # A ScaNN searcher is kept and the edits put beside it (exact, searched with
+                # it), until they pass `FOLD_EDITS` of the corpus: then it is built again.
+                scann = _scann_after_edit(
+                    knowledge.retriever.index, edit.replaced, new_vectors, edit.deleted, checksum
+                )
+                base_from = None
+                if scann is not None:
+                    base_records = {
+                        rel: dict(record)
+                        for rel, record in knowledge.manifest["files"].items()
+                        if rel.startswith("scann/")
+                    }
+                    base_from = (old_dir, base_records)
+                    manifest["scann_base"] = bundle_format.scann_base(scann)
                 linked |= bundle_format.write_index(
                     tmp, self.fingerprint, checksum, vectors, self.settings, scann, base_from
                 )
                 bundle_format.share_modes(tmp)
+                # `swap_dir` writes the manifest after this returns: the checksum goes in now.
+                manifest["corpus_checksum"] = checksum
+                written.update(scann=scann)
                 return linked
 
-            manifest = dict(knowledge.manifest, corpus_checksum=checksum, count=len(passages))
-            manifest.pop("scann_base", None)
-            if scann is not None:
-                manifest["scann_base"] = bundle_format.scann_base(scann)
             # A write killed earlier left its folders beside the bundle (whole copies of the
             # passages and index); those a minute old go (younger: maybe a write in progress).
             bundle_format.remove_stale(old_dir)
             # The manifest as written, its files' records those the next edit checks against.
             manifest = files.swap_dir(old_dir, write_fn, manifest, what="bundle")
+            vectors = ExactIndex.load(str(old_dir / "index"), verify=False, mmap=True).vectors
             retriever = bundle_format.open_retriever(
-                old_dir, manifest, self.settings, self.rag_cfg, vectors, scann=scann
+                old_dir, manifest, self.settings, self.rag_cfg, vectors, scann=written["scann"]
             )
             self._knowledge = _Knowledge(retriever, manifest)
         return {
-            "encoded": len(encoded),
-            "kept": len(kept),
+            "encoded": len(passages),
+            "kept": edit.count - len(edit.replaced) - len(edit.deleted),
             "deleted": len(gone),
-            "count": len(passages),
-            "corpus_checksum": checksum,
-            "index_rebuilt": self.settings.index == "scann" and scann is None,
+            "count": edit.new_count,
+            "corpus_checksum": manifest["corpus_checksum"],
+            "index_rebuilt": self.settings.index == "scann" and written["scann"] is None,
         }
 
 
@@ -472,8 +455,9 @@ def _scann_after_edit(index, replaced, vectors, deleted, checksum) -> LiveRowInd
     return None if held > FOLD_EDITS * edited.edited.base.count else edited
 
 
-def _check_edit(upserts, deletes, store: PassageStore) -> tuple[dict, set]:
-    """({id: Passage} to write, {id} to delete), or ValueError naming the record or id."""
+def _check_edit(upserts, deletes) -> tuple[dict, set]:
+    """({id: Passage} to write, {id} to delete), or ValueError naming the record or id (those
+    to delete are looked up in the store by the caller)."""
     changed = {}
     for i, record in enumerate(upserts):
         if hasattr(record, "text") and not isinstance(record, tuple):  # e.g. synthetic.Passage
@@ -492,9 +476,4 @@ def _check_edit(upserts, deletes, store: PassageStore) -> tuple[dict, set]:
     both = sorted(gone & set(changed))
     if both:
         raise ValueError(f"ids both upserted and deleted: {both[:5]}")
-    missing = gone - {store.ids[i] for i in range(len(store))} if gone else set()
-    if missing:
-        raise ValueError(
-            f"cannot delete ids that are not in the bundle's passages: {sorted(missing)[:5]}"
-        )
     return changed, gone

@@ -53,6 +53,7 @@ from rag_jax.retrieval.index import ExactIndex
 from rag_jax.retrieval.retriever import PassageEncoder, Retriever
 from rag_jax.retrieval.scann_index import ScannIndex
 from rag_jax.retrieval.store import PassageStore, tokenizer_fingerprint
+from rag_jax.retrieval.store_edit import EditedVectors
 
 FORMAT = "rag_jax.bundle"
 VERSION = 1
@@ -320,7 +321,10 @@ def write_index(
     its scann/ files' records) the base's files are hard-linked from there, not written again.
     Returns the records of the linked files (for the manifest, as `link_model`'s)."""
     provenance = {"encoder_fingerprint": fingerprint, "corpus_checksum": checksum}
-    ExactIndex(vectors, **provenance).save(str(directory / "index"))
+    if isinstance(vectors, EditedVectors):  # written in blocks, then read memory-mapped
+        vectors = vectors.save(directory / "index", provenance)
+    else:
+        ExactIndex(vectors, **provenance).save(str(directory / "index"))
     if settings.index != "scann":
         return {}
     if not isinstance(scann, LiveRowIndex):
@@ -463,8 +467,8 @@ def open_retriever(
     directory, manifest, settings: Settings, rag_cfg, vectors=None, verify=False, scann=None
 ):
     """The retriever of a bundle folder's passages/ and index/ (or scann/ and its edits),
-    checked against the manifest; `vectors` [C, D] when already in memory, and `scann` the
-    edited ScaNN index when in memory (an edit just wrote them)."""
+    checked against the manifest; `vectors` [C, D] when already in memory (or memory-mapped),
+    and `scann` the edited ScaNN index when in memory (an edit just wrote them)."""
     directory = pathlib.Path(directory)
     store = PassageStore.open(directory / "passages", verify=verify)
     if store.checksum != manifest["corpus_checksum"]:

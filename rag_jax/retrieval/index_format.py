@@ -81,6 +81,28 @@ def save_vectors(index: Index, vectors: np.ndarray, directory, extra: dict | Non
     files.swap_dir(directory, write_fn, manifest, what="index")
 
 
+def save_vector_blocks(directory, blocks, shape, dtype, extra: dict | None = None) -> None:
+    """Writes an exact index folder from its [C, D] vectors in `blocks` (row blocks in order, C
+    rows in all: the matrix is never whole in memory); `extra` fields (e.g. the provenance) go
+    into the manifest."""
+    dtype = np.dtype(dtype)
+
+    def write_fn(tmp):
+        rows = 0
+        with open(os.path.join(tmp, VECTORS), "wb") as f:
+            for block in blocks:
+                block = np.ascontiguousarray(block, dtype.newbyteorder("<"))
+                files.write_bytes(f, block.reshape(-1, shape[1]).view(np.uint8))
+                rows += len(block)
+        if rows != shape[0]:
+            raise RuntimeError(f"{directory}: {rows} rows written for an index of {shape[0]}")
+
+    manifest = {"format": FORMAT, "version": VERSION, "kind": "exact", "dtype": dtype.name}
+    manifest |= {"count": shape[0], "dim": shape[1]}
+    manifest |= {k: v for k, v in (extra or {}).items() if v is not None}
+    files.swap_dir(directory, write_fn, manifest, what="index")
+
+
 def load_vectors(directory, expect, verify, kinds, mmap=False) -> tuple[dict, np.ndarray]:
     """Checks and reads an index folder's `vectors.bin`; returns (manifest, [C, D] vectors),
     memory-mapped read-only with `mmap` (of the stored dtype: float16 stays float16)."""

@@ -97,16 +97,6 @@ def _tokenize(tokenizer, texts: list[str]) -> list[list[int]]:
     return encoded["input_ids"]
 
 
-def _tokens(tokenizer, pieces: list[str], first: int, known_tokens) -> list:
-    """Token ids of `pieces` (records `first`, ...): `known_tokens`' if any, else tokenised."""
-    lookup = known_tokens or (lambda i: None)
-    known = [lookup(first + i) for i in range(len(pieces))]
-    todo = [i for i, ids in enumerate(known) if ids is None]
-    for i, ids in zip(todo, _tokenize(tokenizer, [pieces[i] for i in todo]), strict=True):
-        known[i] = ids
-    return known
-
-
 def _check_tokenizer(
     tokenizer, pieces: list[str], sep_head: str, sep_tail: str, suffix: str = ""
 ) -> dict:
@@ -256,7 +246,6 @@ class PassageStore:
         doc_sep: str = " // ",
         batch_size: int = 1024,
         suffix: str = "",
-        known_tokens=None,
     ) -> "PassageStore":
         """Tokenises and writes a corpus, streaming; returns the store opened from disk.
 
@@ -269,9 +258,6 @@ class PassageStore:
           title_sep, doc_sep: HF `RagConfig.title_sep` / `doc_sep`.
           batch_size: records tokenised per tokenizer call.
           suffix: text after the question (a causal generator's answer cue; none for BART).
-          known_tokens: `known_tokens(i)` -> the token ids of record i's piece when the caller
-            already has them (an edit copying the unchanged passages of a store built with the
-            same tokenizer and layout), or None to tokenise it; None: tokenise every record.
 
         Raises:
           ValueError: a bad record (naming its index and field), a duplicate id, an empty corpus,
@@ -302,7 +288,7 @@ class PassageStore:
                 pieces = [_passage_piece(p, prefix, title_sep, sep_head) for p in passages]
                 if layout is None:
                     layout = _check_tokenizer(tokenizer, pieces, sep_head, sep_tail, suffix)
-                tokens = _tokens(tokenizer, pieces, count, known_tokens)
+                tokens = _tokenize(tokenizer, pieces)
                 for passage, token_ids in zip(passages, tokens, strict=True):
                     writers[0].append(np.asarray(token_ids, "<i4").tobytes())
                     for writer, value in zip(writers[1:], passage, strict=True):

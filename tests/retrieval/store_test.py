@@ -233,36 +233,6 @@ def test_store_round_trip_and_manifest(tmp_path, bart_tokenizer):
         store.ids[3]
 
 
-def test_known_tokens_are_written_as_given_and_the_rest_tokenised(tmp_path, bart_tokenizer):
-    """An edit copies the unchanged passages' tokens (`known_tokens`): the store it writes is
-    byte for byte the one tokenising everything writes; the tokenizer sees only the rest."""
-    records = [Passage(str(i), f"T{i}", f"text {i} " * (i % 5)) for i in range(23)]
-    first = PassageStore.build(records, bart_tokenizer, tmp_path / "all", batch_size=4)
-    tokenised = []
-    original = type(bart_tokenizer).__call__
-
-    def counted(self, texts, *args, **kwargs):
-        tokenised.extend(texts if isinstance(texts, list) else [texts])
-        return original(self, texts, *args, **kwargs)
-
-    known = {i: first.passage_token_ids(i) for i in range(23) if i % 3}
-    type(bart_tokenizer).__call__ = counted
-    try:
-        PassageStore.build(
-            records, bart_tokenizer, tmp_path / "copied", batch_size=4, known_tokens=known.get
-        )
-    finally:
-        type(bart_tokenizer).__call__ = original
-    for name in ("tokens.bin", "tokens.offsets.bin", "texts.bin", "ids.bin"):
-        assert (tmp_path / "copied" / name).read_bytes() == (tmp_path / "all" / name).read_bytes()
-    # The tokenizer saw the unknown records, and of the known ones only the first three, which
-    # the tokenizer layout check probes.
-    seen = [
-        i for i in range(23) if any(f"text {i} " in t or t.startswith(f"T{i} /") for t in tokenised)
-    ]
-    assert set(seen) - set(range(3)) == {i for i in range(3, 23) if i not in known}
-
-
 def test_a_workdir_store_is_reused_only_for_the_same_corpus(tmp_path, bart_tokenizer):
     layout = {"prefix": "", "title_sep": " / ", "doc_sep": " // "}
     records = [Passage("a", "T", "one"), Passage("b", "U", "two")]
