@@ -32,7 +32,6 @@ and a run that checks its passage encoder against the index refuses it rather th
 towers.
 """
 
-import hashlib
 import io
 import json
 import os
@@ -44,6 +43,7 @@ import numpy as np
 
 from rag_jax.retrieval import files, index
 from rag_jax.retrieval.store import PassageStore
+from rag_jax.retrieval.store_edit import IdLookup
 from rag_jax.retrieval.vectors import FORMAT, NPY_DTYPES, VERSION, shard_name
 
 _PICKLE_SUFFIXES = (".pkl", ".pickle", ".pck")
@@ -388,7 +388,7 @@ class _StoreRows:
     id), else looked up among the sorted digests of every store id (built on first need)."""
 
     def __init__(self, store: PassageStore):
-        self.store, self._digests, self._order = store, None, None
+        self.store, self._lookup = store, None
 
     def rows(self, ids: list[str], start: int, path, file_row: int) -> np.ndarray:
         """Store rows [n] of `ids` [n], rows `start`... of the source and `file_row`... of
@@ -397,29 +397,17 @@ class _StoreRows:
             self.store.ids[start + i] == passage_id for i, passage_id in enumerate(ids)
         ):
             return np.arange(start, start + len(ids))
-        if self._digests is None:
-            digests = np.fromiter((_digest(i) for i in self.store.ids), np.uint64, len(self.store))
-            self._order = np.argsort(digests, kind="stable")
-            self._digests = digests[self._order]
-        wanted = np.fromiter((_digest(i) for i in ids), np.uint64, len(ids))
-        found = np.searchsorted(self._digests, wanted)
-        rows = np.empty(len(ids), np.int64)
-        for i, (passage_id, at) in enumerate(zip(ids, found, strict=True)):
-            while at < len(self._digests) and self._digests[at] == wanted[i]:
-                if self.store.ids[int(self._order[at])] == passage_id:
-                    break
-                at += 1  # a digest shared by two ids
-            else:
-                raise ValueError(
-                    f"{path}, row {file_row + i}: id {passage_id!r} is not "
-                    f"in the passage store {self.store.directory}"
-                )
-            rows[i] = self._order[at]
+        if self._lookup is None:
+            self._lookup = IdLookup(self.store)
+        rows = self._lookup.rows(ids)
+        missing = np.flatnonzero(rows < 0)
+        if len(missing):
+            i = int(missing[0])
+            raise ValueError(
+                f"{path}, row {file_row + i}: id {ids[i]!r} is not "
+                f"in the passage store {self.store.directory}"
+            )
         return rows
-
-
-def _digest(passage_id: str) -> int:
-    return int.from_bytes(hashlib.blake2b(passage_id.encode(), digest_size=8).digest(), "little")
 
 
 def index_from_vectors(

@@ -12,6 +12,7 @@ import threading
 import time
 
 from rag_jax.io import answers, bundle
+from rag_jax.retrieval.store_edit import IdLookup
 from rag_jax.serving import batching, metrics
 from rag_jax.serving.api import AnswerRequest, ApiError, ServerConfig, check_text, has_visible
 
@@ -80,7 +81,7 @@ class ServerState:
         self.metrics = metrics.Metrics(config.max_batch)
         self.ready = threading.Event()
         self.edit_lock = threading.Lock()  # read-modify-write of a passage, one at a time
-        self.rows: tuple = (None, {})  # (store, {id: row}) of the latest store looked up
+        self.rows: tuple = (None, None)  # (store, IdLookup) of the latest store looked up
         self.default = batching.Setting(
             model.settings.variant, model.rag_cfg.generation.num_beams, model.rag_cfg.n_docs
         )
@@ -331,9 +332,10 @@ class ServerState:
         """`passage_id`'s row in `store` (a store is immutable: its map is built once)."""
         cached, rows = self.rows
         if cached is not store:  # an edit made a new store
-            rows = {store.ids[i]: i for i in range(len(store))}
+            rows = IdLookup(store)
             self.rows = (store, rows)
-        return rows.get(passage_id)
+        row = int(rows.rows([passage_id])[0])
+        return None if row < 0 else row
 
     def passage(self, passage_id: str) -> dict:
         store = self.model.store
