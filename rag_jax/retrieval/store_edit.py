@@ -37,7 +37,7 @@ from rag_jax.retrieval.store import (
     _tokenize,
 )
 
-_BLOCK_BYTES = 16 << 20  # canonical bytes assembled per block (and 8x that in gather indices)
+_BLOCK_BYTES = 1 << 20  # canonical bytes assembled per block (8x that in gather indices): in cache
 _DIGEST_BASE = np.uint64(0x100000001B3)  # FNV's 64-bit prime, as a polynomial hash's base
 _LAYOUT = ("tokenizer", "prefix", "title_sep", "doc_sep", "suffix", "pad_id")
 
