@@ -44,9 +44,11 @@ import pathlib
 
 import numpy as np
 
+from rag_jax.retrieval import scann_shards
 from rag_jax.retrieval.index_base import Index, check_vectors
 from rag_jax.retrieval.index_format import load_vectors, provenance, read_manifest, save_vectors
 from rag_jax.retrieval.scann_index import ScannIndex
+from rag_jax.retrieval.scann_shards import ShardedScannIndex
 
 _SAMPLE_STRIDE = 16  # ExactIndex: one score column in this many bounds the k-th best
 _PAD_ID = np.iinfo(np.int64).max  # loses every tie; only ever paired with a -inf score
@@ -219,9 +221,11 @@ def load(
 ) -> Index:
     """Reads any host index folder, choosing `ExactIndex` or `ScannIndex` by its manifest kind;
     `mmap` memory-maps an exact index's vectors (`ExactIndex.load`)."""
-    kind = read_manifest(directory, None, kinds=("exact", "scann"))["kind"]
+    kind = read_manifest(directory, None, kinds=("exact", "scann", ShardedScannIndex.kind))["kind"]
     if kind == "exact":
         return ExactIndex.load(directory, expect, verify=verify, mmap=mmap)
+    if kind == ShardedScannIndex.kind:
+        return ShardedScannIndex.load(directory, expect, verify=verify)
     return ScannIndex.load(directory, expect, verify=verify)
 
 
@@ -239,9 +243,12 @@ def index_vectors(out_dir, kind: str, encoder_fingerprint: str, corpus_checksum:
 def build_and_save(vectors, kind: str, directory: str, **provenance) -> Index:
     """Builds the host index of `kind` ("exact" or "scann") over `vectors` ([C, D]) with their
     provenance (`encoder_fingerprint`, `corpus_checksum`), saves it to `directory` (loadable
-    with `load`) and returns it."""
+    with `load`) and returns it. ScaNN over more than `scann_shards.SHARD_ROWS` vectors is
+    built in shards, each saved before the next (bounded memory; a killed build resumes)."""
     if kind == "exact":
         built = ExactIndex(vectors, **provenance)
+    elif kind == "scann" and len(vectors) > scann_shards.SHARD_ROWS:  # saved shard by shard
+        return scann_shards.build_sharded(vectors, directory, log=print, **provenance)
     elif kind == "scann":
         built = ScannIndex.build(vectors, **provenance)
     else:
