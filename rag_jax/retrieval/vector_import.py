@@ -16,7 +16,10 @@ Legend: C corpus size (passages), D embedding width.
 and writes them as one shard of a vectors folder (`rag_jax.retrieval.vectors`, which
 `load_vectors` memory-maps), in the corpus' order. Nothing holds the whole matrix: sources are
 memory-mapped or read in row groups, rows are written in blocks at their place in the file, and
-float16/bfloat16 stay as they are (float64 is stored as float32).
+float16/bfloat16 stay as they are (float64 is stored as float32). The shard is written in
+`.<out_dir>.import` beside the folder, its progress recorded every `COMMIT_EVERY_S`: an import
+killed and started again with the same source files (paths, sizes, times), store and dtype goes
+on after the last rows recorded, and writes the same folder an uninterrupted one writes.
 
 Row i of the source is passage i of the store, unless the source has an id column: then each
 row goes to the store's row of that id, and the ids must be the store's, each once. Counts,
@@ -37,6 +40,8 @@ import json
 import os
 import pathlib
 import re
+import shutil
+import time
 
 import ml_dtypes
 import numpy as np
@@ -47,6 +52,8 @@ from rag_jax.retrieval.store_edit import IdLookup
 from rag_jax.retrieval.vectors import FORMAT, NPY_DTYPES, VERSION, shard_name
 
 _PICKLE_SUFFIXES = (".pkl", ".pickle", ".pck")
+COMMIT_EVERY_S = 60.0  # an import's progress is made durable this often (a kill loses less)
+_PROGRESS = "progress.json"
 _IGNORED = {"state.json", "dataset_info.json", "dataset_dict.json", "README.md"}
 _NPY_DTYPES = {"<f2": "float16", "<f4": "float32", "<f8": "float64", "|V2": "bfloat16"}
 _NPY_DTYPES |= {"<V2": "bfloat16"}
@@ -313,19 +320,74 @@ def import_vectors(
         },  # fmt: skip
     }
 
+    staging = _staging(out_dir)
+    record = _write_shard(staging, parts, store, stored)
+    manifest["shards"].append({"index": 0, "file": shard_name(0), "rows": count,
+                               "sha256": record["sha256"]})  # fmt: skip
+    manifest["encoder_fingerprint"] = encoder_fingerprint or f"imported:{record['sha256']}"
+
     def write_fn(tmp):
-        record = _write_shard(pathlib.Path(tmp) / shard_name(0), parts, store, stored)
-        manifest["shards"].append({"index": 0, "file": shard_name(0), "rows": count,
-                                   "sha256": record["sha256"]})  # fmt: skip
-        manifest["encoder_fingerprint"] = encoder_fingerprint or f"imported:{record['sha256']}"
+        os.replace(staging / shard_name(0), pathlib.Path(tmp) / shard_name(0))
         return {shard_name(0): record}
 
     written = files.swap_dir(out_dir, write_fn, manifest, what="vectors")
+    shutil.rmtree(staging, ignore_errors=True)
     return {k: v for k, v in written.items() if k != "files"}
 
 
-def _write_shard(path: pathlib.Path, parts, store: PassageStore, dtype: str) -> dict:
-    """Writes the `.npy` shard, each row at its store row; returns its {"bytes", "sha256"}."""
+def _staging(out_dir) -> pathlib.Path:
+    """Where an import writes its shard and its progress before the vectors folder is sealed:
+    beside `out_dir`, the same for every attempt, so a killed import resumes there."""
+    out_dir = pathlib.Path(out_dir).absolute()
+    return out_dir.parent / f".{out_dir.name}.import"
+
+
+def _source_key(parts, store: PassageStore, dtype: str) -> dict:
+    """What a resumed import must share with the killed one: the source files (path, size,
+    modification time), the store's corpus and count, and the stored dtype."""
+    sources = []
+    for part in parts:
+        stat = part.path.stat()
+        sources.append([str(part.path.resolve()), stat.st_size, stat.st_mtime_ns])
+    return {"files": sources, "corpus_checksum": store.checksum, "count": len(store),
+            "dtype": dtype}  # fmt: skip
+
+
+def _resumed(staging: pathlib.Path, key: dict) -> dict | None:
+    """The progress of a killed import of the same source into `staging` ({"part",
+    "part_done", "done", "seen"}), or None (nothing there, or another import's)."""
+    try:
+        progress = json.loads((staging / _PROGRESS).read_text())
+        seen = np.load(staging / progress["seen"], allow_pickle=False)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if progress.get("key") != key or not (staging / shard_name(0)).is_file():
+        return None
+    if seen.shape != (key["count"],) or seen.dtype != bool:
+        return None
+    return progress | {"seen": seen}
+
+
+def _commit(f, staging: pathlib.Path, key: dict, seen: np.ndarray, where: dict) -> None:
+    """Makes the rows written so far durable and records how far the import got: the shard's
+    data first, then `seen` in a file of its own, then the progress naming it (atomically)."""
+    f.flush()
+    os.fsync(f.fileno())
+    name = f"seen.{where['done']}.npy"
+    buffer = io.BytesIO()
+    np.save(buffer, seen)
+    files.write_atomic(staging / name, buffer.getvalue())
+    progress = json.dumps({"key": key, "seen": name, **where})
+    files.write_atomic(staging / _PROGRESS, progress.encode("utf-8"))
+    for old in staging.glob("seen.*.npy"):
+        if old.name != name:
+            old.unlink(missing_ok=True)
+
+
+def _write_shard(staging: pathlib.Path, parts, store: PassageStore, dtype: str) -> dict:
+    """Writes the `.npy` shard in `staging`, each row at its store row, recording its progress
+    every `COMMIT_EVERY_S`; started again after a kill with the same source, store and dtype,
+    it goes on after the last rows recorded. Returns the shard's {"bytes", "sha256"}."""
     count, dim = len(store), parts[0].dim
     npy = np.dtype(NPY_DTYPES[dtype])
     header = io.BytesIO()
@@ -334,14 +396,27 @@ def _write_shard(path: pathlib.Path, parts, store: PassageStore, dtype: str) -> 
     )
     head = header.getvalue()
     row_bytes, rows = dim * npy.itemsize, max(1, files.IO_BLOCK // (dim * 4))
-    seen, ids = np.zeros(count, bool), _StoreRows(store)
-    with open(path, "wb") as f:
-        f.write(head)
-        f.truncate(len(head) + count * row_bytes)
-        done = 0
-        for part in parts:
+    key = _source_key(parts, store, dtype)
+    progress = _resumed(staging, key)
+    if progress is None:
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+        progress = {"part": 0, "part_done": 0, "done": 0, "seen": np.zeros(count, bool)}
+    path, seen, ids = staging / shard_name(0), progress["seen"], _StoreRows(store)
+    with open(path, "r+b" if progress["done"] else "wb") as f:
+        if not progress["done"]:
+            f.write(head)
+            f.truncate(len(head) + count * row_bytes)
+        done, last = progress["done"], time.monotonic()
+        for index, part in enumerate(parts):
+            if index < progress["part"]:
+                continue
+            skip = progress["part_done"] if index == progress["part"] else 0
             part_done = 0
             for batch_ids, block in part.batches(rows):
+                if part_done + len(block) <= skip:  # written before the kill
+                    part_done += len(block)
+                    continue
                 block = np.ascontiguousarray(block.astype(files.DTYPES[dtype], copy=False))
                 targets = (
                     np.arange(done, done + len(block))
@@ -352,6 +427,10 @@ def _write_shard(path: pathlib.Path, parts, store: PassageStore, dtype: str) -> 
                 _place(f.fileno(), block.view(npy), targets, len(head), row_bytes)
                 done += len(block)
                 part_done += len(block)
+                if time.monotonic() - last >= COMMIT_EVERY_S:
+                    where = {"part": index, "part_done": part_done, "done": done}
+                    _commit(f, staging, key, seen, where)
+                    last = time.monotonic()
         f.flush()
         os.fsync(f.fileno())
     if not seen.all():  # unreachable when the counts agree and no id repeats; checked anyway

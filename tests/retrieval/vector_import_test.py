@@ -18,7 +18,7 @@ from transformers import AutoTokenizer
 
 from rag_jax.retrieval import corpus, index, synthetic_corpus, vector_import
 from rag_jax.retrieval.store import PassageStore
-from rag_jax.retrieval.vectors import load_vectors
+from rag_jax.retrieval.vectors import load_vectors, shard_name
 
 C, D = 300, 24  # passages, width
 
@@ -222,3 +222,65 @@ def test_the_conversion_it_gives_for_a_pickle_imports(tmp_path, store, vectors):
     subprocess.run([sys.executable, "-c", command, str(shard)], check=True)
     vector_import.import_vectors(f"{shard}.parquet", store, tmp_path / "out", dtype="float16")
     assert np.array_equal(load_vectors(tmp_path / "out"), vectors)
+
+
+@pytest.mark.parametrize("kind", ["npy shards", "parquet, shuffled ids"])
+def test_a_killed_import_resumes_where_it_recorded_its_progress(
+    tmp_path, store, vectors, kind, monkeypatch
+):
+    source = _write(kind, tmp_path, store, vectors)
+    whole = vector_import.import_vectors(source, store, tmp_path / "whole")
+    monkeypatch.setattr(vector_import, "COMMIT_EVERY_S", 0.0)  # a record after every batch
+    monkeypatch.setattr(vector_import.files, "IO_BLOCK", 20 * D * 4)  # batches of 20 rows
+    place, placed = vector_import._place, []
+
+    def killed_at_the_eighth(fd, block, targets, head, row_bytes):
+        if len(placed) == 7:
+            raise KeyboardInterrupt("killed")
+        placed.append(np.asarray(targets).copy())
+        return place(fd, block, targets, head, row_bytes)
+
+    monkeypatch.setattr(vector_import, "_place", killed_at_the_eighth)
+    with pytest.raises(KeyboardInterrupt):
+        vector_import.import_vectors(source, store, tmp_path / "out")
+    assert not (tmp_path / "out").exists() and (tmp_path / ".out.import").is_dir()
+    monkeypatch.setattr(vector_import, "_place", place)
+    resumed = []
+    monkeypatch.setattr(
+        vector_import,
+        "_place",
+        lambda fd, block, t, *a: resumed.append(t) or place(fd, block, t, *a),
+    )
+    got = vector_import.import_vectors(source, store, tmp_path / "out")
+    # The seven batches recorded are not written again; the rest are, once.
+    assert sum(len(t) for t in resumed) == C - 7 * 20
+    assert not np.isin(np.concatenate(resumed), np.concatenate(placed)).any()
+    assert (
+        got["shards"] == whole["shards"]
+        and got["encoder_fingerprint"] == whole["encoder_fingerprint"]
+    )
+    name = shard_name(0)
+    assert (tmp_path / "out" / name).read_bytes() == (tmp_path / "whole" / name).read_bytes()
+    assert not (tmp_path / ".out.import").exists()
+
+
+def test_a_changed_source_is_imported_from_the_start(tmp_path, store, vectors, monkeypatch):
+    source = _write("npy", tmp_path, store, vectors)
+    monkeypatch.setattr(vector_import, "COMMIT_EVERY_S", 0.0)
+    monkeypatch.setattr(vector_import.files, "IO_BLOCK", 20 * D * 4)
+    place = vector_import._place
+
+    def killed(fd, block, targets, head, row_bytes):
+        if targets[0] >= 100:
+            raise KeyboardInterrupt("killed")
+        return place(fd, block, targets, head, row_bytes)
+
+    monkeypatch.setattr(vector_import, "_place", killed)
+    with pytest.raises(KeyboardInterrupt):
+        vector_import.import_vectors(source, store, tmp_path / "out")
+    monkeypatch.setattr(vector_import, "_place", place)
+    changed = vectors.copy()
+    changed[:10] += 1  # rows the killed import had written: a resume would keep the old ones
+    np.save(source, changed)
+    vector_import.import_vectors(source, store, tmp_path / "out")
+    assert np.array_equal(load_vectors(tmp_path / "out"), changed)
