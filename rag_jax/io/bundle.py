@@ -314,7 +314,12 @@ class Bundle(answers.Answering):
             knowledge = self._knowledge
             store, old_vectors = knowledge.retriever.store, knowledge.retriever.vectors
             changed, gone = _check_edit(upserts, deletes)
-            rows = store_edit.find_rows(store, [*changed, *gone])
+            wanted = [*changed, *gone]
+            rows = {
+                pid: int(row)
+                for pid, row in zip(wanted, store_edit.IdLookup(store).rows(wanted), strict=True)
+                if row >= 0
+            }
             missing = gone - rows.keys()
             if missing:
                 raise ValueError(

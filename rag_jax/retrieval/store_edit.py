@@ -8,7 +8,7 @@ again in Python (~125 us a passage: 8 minutes at 4M); `edit_store` copies the un
 bytes as runs between the edited rows (E + 1 runs per column), tokenises only the E new
 passages and computes the offsets with numpy. The corpus checksum (`corpus.corpus_checksum`:
 the records' canonical bytes in order) is computed from the new columns in blocks of rows, the
-canonical stream assembled by numpy (`store_checksum`), and `find_rows` finds the rows of given
+canonical stream assembled by numpy (`store_checksum`), and `IdLookup` finds the rows of given
 ids by vectorised 64-bit digests of the id column. The result is byte-for-byte the store
 `PassageStore.build` writes from the same records; the edit's cost is linear in the store's
 bytes, at memory speed, and its memory is bounded by a block (never the corpus).
@@ -222,28 +222,6 @@ def _digests_of(ids: Sequence[str]) -> np.ndarray:
     encoded = [i.encode("utf-8") for i in ids]
     offsets = np.concatenate([[0], np.cumsum([len(e) for e in encoded])]).astype(np.int64)
     return _digests(np.frombuffer(b"".join(encoded), np.uint8), offsets)
-
-
-def find_rows(store: PassageStore, ids: Sequence[str], block: int = 1 << 20) -> dict[str, int]:
-    """{id: row} of those of `ids` the store holds (ids are unique in a store). Digests of the
-    whole id column are compared in blocks of rows; equal digests are only candidates, checked
-    against the id itself, so a collision never gives a wrong row."""
-    wanted = {}
-    for passage_id, digest in zip(ids, _digests_of(list(ids)).tolist()):
-        wanted.setdefault(digest, set()).add(passage_id)
-    if not wanted:
-        return {}
-    keys = np.fromiter(wanted, np.uint64, len(wanted))
-    data, offsets = store.ids._data, store.ids._offsets
-    found = {}
-    for start in range(0, len(store), block):
-        stop = min(len(store), start + block)
-        digests = _digests(data, offsets[start : stop + 1])
-        for row in (np.flatnonzero(np.isin(digests, keys)) + start).tolist():
-            passage_id = store.ids[row]
-            if passage_id in wanted.get(int(digests[row - start]), ()):
-                found[passage_id] = row
-    return found
 
 
 class IdLookup:
