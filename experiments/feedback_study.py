@@ -187,7 +187,7 @@ def run(
     Args:
       base: the experiment's config; `selected`: row name -> overrides.
       hot_swap_fraction: the synthetic world's hot swap (`hot_swap`) of every row but closed
-        book, when `swap` is None.
+        book, when `swap` is None; none when it is 0 too.
       swap: `swap(row workdir) -> dict`, another hot swap (real text's), instead.
       cache_dir: where the rows' warm starts are shared (default `out/cache`).
 
@@ -228,7 +228,7 @@ def run(
             "curve": curves(out / name),
             "seconds": round(time.perf_counter() - t0, 1),
         }
-        if name != "closed_book":
+        if name != "closed_book" and (swap or hot_swap_fraction):
             row["hot_swap"] = (
                 swap(out / name) if swap else hot_swap(out / name, hot_swap_fraction, base.seed)
             )

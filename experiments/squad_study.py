@@ -290,7 +290,9 @@ def main(argv=None):
     parser.add_argument(
         "--rows", default=",".join(ROWS), help="comma-separated subset, run in this order"
     )
-    parser.add_argument("--swap_questions", type=int, default=100)
+    parser.add_argument(
+        "--swap_questions", type=int, default=100, help="the hot swap's questions; 0: no hot swap"
+    )
     parser.add_argument(
         "--set", action="append", default=[], help="extra override key=value (JSON value)"
     )
@@ -329,7 +331,9 @@ def main(argv=None):
             base,
             out / f"seed{seed}",
             selected,
-            swap=lambda workdir: hot_swap(workdir, args.swap_questions, 0),  # noqa: B023
+            swap=(lambda workdir: hot_swap(workdir, args.swap_questions, 0))
+            if args.swap_questions
+            else None,
             cache_dir=out / "cache",
         )
         if "preempted" in results:

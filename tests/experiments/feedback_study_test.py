@@ -32,3 +32,28 @@ def test_plot_draws_curves_and_levels(tmp_path):
         "joint_token": {"gold_recall@5": "curve", "exact_match": "curve"},
     }
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_hot_swap_runs_only_when_asked(tmp_path, monkeypatch):
+    """`swap` (real text's) or a synthetic `hot_swap_fraction` runs a row's hot swap after it
+    trains; with neither (`squad_study.py --swap_questions 0`) the row has none."""
+    from rag_jax.run import settings
+    from rag_jax.training import loop
+
+    def fake_run(config, workdir):
+        workdir.mkdir(parents=True)
+        (workdir / "metrics.jsonl").write_text('{"step": 1, "eval/exact_match": 0.5}\n')
+        return {"eval": {"exact_match": 0.5}}
+
+    monkeypatch.setattr(loop, "train_and_evaluate", fake_run)
+    base = settings.defaults()
+    rows = {"frozen": {"train.retriever_lr_factor": 0.0}}
+    swapped = []
+    with_swap = feedback_study.run(
+        base, tmp_path / "a", rows, swap=lambda w: swapped.append(w) or {"em": 1.0}, make_plot=False
+    )
+    assert with_swap["rows"]["frozen"]["hot_swap"] == {"em": 1.0}
+    assert swapped == [tmp_path / "a" / "frozen"]
+    without = feedback_study.run(base, tmp_path / "b", rows, make_plot=False)
+    assert "hot_swap" not in without["rows"]["frozen"]
+    assert without["rows"]["frozen"]["final"] == {"exact_match": 0.5}
