@@ -364,6 +364,12 @@ SCHEMA: dict[str, dict[str, tuple]] = {
     "eval": {
         "enabled": (True, "evaluate held-out questions before and after training"),
         "before": (True, "the evaluation before training too (eval_before.json)"),
+        "answers": (
+            True,
+            "the evaluations before and after training answer questions (EM/F1) too; False: only "
+            "their retrieval recalls, which run the question tower alone (e.g. choosing settings "
+            "by gold recall on a slice of train)",
+        ),
         "every": (0, "also every k steps (eval/* in metrics.jsonl); 0 = before/after only"),
         "every_max_examples": (
             0,

@@ -309,7 +309,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir) -> dict:
     logger = _Logger(workdir)
     eval_examples = exp.eval[: config.eval.max_examples or None]
 
-    def evaluate_now(params, retriever, examples=eval_examples, generate=True, per_question=None):
+    def evaluate_now(params, retriever, examples=eval_examples, generate=None, per_question=None):
+        generate = config.eval.answers if generate is None else generate
         return evaluate(
             exp, params, examples, mesh=mesh, variant=variant, retriever=retriever,
             generate=generate, per_question=per_question,

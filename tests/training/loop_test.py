@@ -85,6 +85,20 @@ def test_summary_line_and_outputs(fifty_steps):
     assert (workdir / "tensorboard").is_dir()
 
 
+def test_evaluations_without_answers_report_recalls_only(tmp_path):
+    """`eval.answers=False`: the evaluations before and after training retrieve for every
+    question and answer none (what choosing settings by gold recall on a slice reads)."""
+    config = tiny_config(**{"train.steps": 2, "train.save_every": 2, "eval.answers": False})
+    summary = loop.train_and_evaluate(config, tmp_path)
+    before = json.loads((tmp_path / "eval_before.json").read_text())
+    for metrics in (before, summary["eval"]):
+        assert "gold_recall@5" in metrics and "exact_match" not in metrics and "f1" not in metrics
+    assert np.isnan(summary["em_after"]) and 0.0 <= summary["recall_at_5_after"] <= 1.0
+    records = [json.loads(r) for r in (tmp_path / "per_question.jsonl").read_text().splitlines()]
+    assert len(records) == 8 and all("exact_match" not in r for r in records)
+    assert all({"gold_recall@1", "gold_recall@5"} <= set(r) for r in records)
+
+
 def _run_script(workdir, extra, env=None):
     cmd = [
         sys.executable,
