@@ -42,8 +42,9 @@ import numpy as np
 import feedback_study
 from rag_jax.devices import distributed, host, preemption
 from rag_jax.retrieval import files
+from rag_jax.retrieval.corpus import read_corpus
 from rag_jax.retrieval.index import ExactIndex
-from rag_jax.run import paired, settings
+from rag_jax.run import articles, data, paired, settings
 from rag_jax.run.index_build import workdir_store
 from rag_jax.training import evaluation, experiment, loop, salient
 from rag_jax.training.batcher import Batcher
@@ -166,6 +167,26 @@ def fill_memo(base, out: pathlib.Path) -> dict:
     }
     files.write_atomic(out / "memo_fill.json", json.dumps(record, indent=1).encode())
     return record
+
+
+def write_slice(config, count: int, path: pathlib.Path) -> int:
+    """Writes `count` questions of the training file to the JSONL `path`: whole articles after
+    the training sample's in its seeded order, none an article any training question is about
+    (`articles.next_articles`), for choosing settings without the evaluation questions
+    (`--set data.eval_path="<path>"`). Returns the articles' count."""
+    d = config.data
+    if d.sample_by != "article" or not d.max_train or d.sample_seed < 0:
+        raise ValueError("a slice follows a seeded sample of whole articles (data.sample_by)")
+    train = data.read_examples(d.train_path, dict(d.fields or {}) or None)
+    titles = {p.id: p.title for p in read_corpus(d.corpus_path)}
+    chosen = articles.next_articles(train, titles, d.max_train, count, d.sample_seed)
+    lines = [
+        {"id": e.id, "question": e.question, "answers": list(e.answers), "gold_ids": e.gold_ids}
+        for e in chosen
+    ]
+    text = "".join(json.dumps(line) + "\n" for line in lines)
+    files.write_atomic(path, text.encode())
+    return len({titles[e.gold_ids[0]] for e in chosen})
 
 
 def summary(out: pathlib.Path, seeds: list[int]) -> dict:
@@ -300,6 +321,19 @@ def main(argv=None):
         "--keep", default="", help="also copy results.json and the per-question records here"
     )
     parser.add_argument(
+        "--caches",
+        default="",
+        help="the folder whose cache/ and index_cache/ the rows share (default: --out), e.g. "
+        "the main study's from a study choosing settings on a slice",
+    )
+    parser.add_argument(
+        "--write_slice",
+        type=int,
+        default=0,
+        help="write N training questions of the articles after the training sample's to "
+        "<out>/train_slice.jsonl (to choose settings on: --set data.eval_path) and stop",
+    )
+    parser.add_argument(
         "--fill_memo",
         action="store_true",
         help="first compute the answer memo of the training questions' candidates (resumable)",
@@ -314,19 +348,28 @@ def main(argv=None):
     except ValueError as e:
         parser.error(str(e))
     out = pathlib.Path(args.out).absolute()
+    caches = pathlib.Path(args.caches).absolute() if args.caches else out
     seeds = [int(s) for s in args.seeds.split(",")]
+    if args.write_slice:
+        config = CONFIGS[args.config].get_config(args.variant)
+        path = out / "train_slice.jsonl"
+        out.mkdir(parents=True, exist_ok=True)
+        count = write_slice(config, args.write_slice, path)
+        print(f"wrote {args.write_slice} questions of {count} articles to {path}")
+        print(f"choose on them: --set data.eval_path='\"{path}\"'")
+        return
     if args.fill_memo:  # the seeds share the initial model (init_seed): one fill serves them
         base = settings.override(CONFIGS[args.config].get_config(args.variant), {"seed": seeds[0]})
-        base.retrieval.cache_dir = str(out / "index_cache")
+        base.retrieval.cache_dir = str(caches / "index_cache")
         try:
-            print(json.dumps({"memo_fill": fill_memo(base, out)}), flush=True)
+            print(json.dumps({"memo_fill": fill_memo(base, caches)}), flush=True)
         except preemption.Preempted as stopped:
             print(f"memo fill stopped: {stopped}; the same command resumes", flush=True)
             return
     for seed in seeds:
         config = CONFIGS[args.config].get_config(args.variant)
         base = settings.override(config, {"seed": seed})
-        base.retrieval.cache_dir = str(out / "index_cache")  # one encoding of the corpus
+        base.retrieval.cache_dir = str(caches / "index_cache")  # one encoding of the corpus
         results = feedback_study.run(
             base,
             out / f"seed{seed}",
@@ -334,7 +377,7 @@ def main(argv=None):
             swap=(lambda workdir: hot_swap(workdir, args.swap_questions, 0))
             if args.swap_questions
             else None,
-            cache_dir=out / "cache",
+            cache_dir=caches / "cache",
         )
         if "preempted" in results:
             print(f"seed {seed}: stopped in row {results['preempted']}; the same command resumes")

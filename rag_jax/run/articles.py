@@ -60,6 +60,38 @@ def sample_articles(
     return [examples[i] for i in sorted(chosen)]
 
 
+def next_articles(
+    examples: Sequence[Example], titles: Mapping[str, str], taken: int, count: int, seed: int
+) -> list[Example]:
+    """`count` examples of the articles that follow `sample_articles(examples, titles, taken,
+    seed)` in the same seeded order, none of them an article of that sample (the article it cut
+    is skipped whole), the last one cut to make `count`; kept in file order. A slice of the
+    training file no training question of that sample shares an article with: where a study
+    chooses its settings without looking at its evaluation questions.
+
+    Raises:
+      ValueError: fewer than `count` examples lie outside the sample's articles.
+    """
+    article = articles_of(examples, titles)
+    names = sorted(set(article.values()))
+    by_name: dict[str, list[int]] = {}
+    for i, e in enumerate(examples):
+        by_name.setdefault(article[e.id], []).append(i)
+    seen, chosen = 0, []
+    for j in np.random.default_rng(seed).permutation(len(names)):
+        rows = by_name[names[j]]
+        if seen < taken:  # an article of the sample (the one it cut included)
+            seen += len(rows)
+            continue
+        chosen += rows[: count - len(chosen)]
+        if len(chosen) == count:
+            return [examples[i] for i in sorted(chosen)]
+    raise ValueError(
+        f"only {len(chosen)} examples lie outside the articles of a {taken}-example sample; "
+        f"{count} were asked for"
+    )
+
+
 def split_by_title(
     examples: Sequence[Example], titles: Mapping[str, str], eval_fraction: float, seed: int
 ) -> tuple[list[Example], list[Example]]:

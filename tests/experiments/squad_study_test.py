@@ -15,7 +15,8 @@ import pytest
 import squad_study
 from rag_jax import rag_math
 from rag_jax.io import hf_llama
-from rag_jax.run import paired, settings, validation
+from rag_jax.retrieval.corpus import read_corpus
+from rag_jax.run import data, paired, settings, validation
 from rag_jax.training import evaluation, experiment, loop
 from squad_subset import squad_subset
 
@@ -235,3 +236,20 @@ def test_a_memo_filled_ahead_holds_every_pair_the_first_batch_asks_for(shared_da
     assert batcher.memo.computed == before  # every pair was there
     assert arrays["answer_logprobs"].shape[:2] == (2, 6) and arrays["doc_vectors"].shape[1] == 6
     assert np.all(np.isfinite(arrays["answer_logprobs"]))
+
+
+def test_the_selection_slice_shares_no_article_with_the_training_sample(shared_data, tmp_path):
+    """`--write_slice`: training-file questions the study may choose its settings on, none about
+    an article a training question is about, read back as `data.eval_path` reads them."""
+    del shared_data
+    config = squad_study.CONFIGS["squad_objectives"].get_config()
+    path = tmp_path / "train_slice.jsonl"
+    count = squad_study.write_slice(config, 500, path)
+    chosen = data.read_examples(path)
+    train = experiment._load_data(config)[0]  # the 3,000 training questions, by article
+    titles = {p.id: p.title for p in read_corpus(config.data.corpus_path)}
+    of = lambda examples: {titles[e.gold_ids[0]] for e in examples}  # noqa: E731
+    assert len(chosen) == 500 and len(of(chosen)) == count and count > 1
+    assert len(train) == 3000 and not of(chosen) & of(train)
+    assert not {e.id for e in chosen} & {e.id for e in data.read_examples(config.data.eval_path)}
+    assert all(e.answers and len(e.gold_ids) == 1 for e in chosen)

@@ -500,3 +500,27 @@ def test_a_sample_by_article_takes_whole_articles_nested_in_its_size():
     assert articles.sample_articles(examples, titles, 0, seed=4) == examples
     with pytest.raises(ValueError, match="'qa00' has no gold passage id"):
         articles.sample_articles([data.Example("q", ("x",), "qa00")] * 2, titles, 1, seed=0)
+
+
+def test_the_next_articles_share_none_with_the_sample():
+    """A selection slice: whole articles after a training sample's in its seeded order, none of
+    them an article of the sample, not even the one the sample cut."""
+    titles = {f"{a}_{p}": a for a in "abcdefgh" for p in range(2)}
+    examples = [
+        data.Example(f"q{a}{p}{k}", ("x",), f"{a}{p}{k}", (f"{a}_{p}",))
+        for a in "abcdefgh"
+        for p in range(2)
+        for k in range(3)
+    ]  # 8 articles of 6 questions
+    article = lambda e: e.gold_ids[0].split("_")[0]  # noqa: E731
+    train = articles.sample_articles(examples, titles, 9, seed=4)  # one whole article + 3
+    chosen = articles.next_articles(examples, titles, 9, 10, seed=4)
+    assert len(chosen) == 10 and chosen == sorted(chosen, key=examples.index)
+    assert not {article(e) for e in chosen} & {article(e) for e in train}
+    # The articles that follow in the same order: those a larger sample adds after the cut one.
+    larger = articles.sample_articles(examples, titles, 9 + 3 + 10, seed=4)
+    assert {e.id for e in chosen} <= {e.id for e in larger}
+    names = [article(e) for e in chosen]
+    assert sorted(names.count(a) for a in set(names)) == [4, 6]  # a whole article, then a cut one
+    with pytest.raises(ValueError, match="only 36 examples lie outside"):
+        articles.next_articles(examples, titles, 9, 40, seed=4)
