@@ -25,6 +25,7 @@ for byte (files, offsets, checksums, manifest), without ever holding the corpus:
 import csv
 import hashlib
 import itertools
+import json
 import math
 import os
 import pathlib
@@ -193,16 +194,31 @@ def open_or_build(
     that tokenizer, resumed when unfinished, built otherwise (`ingest_tsv` for a `.tsv`,
     `PassageStore.build` over `corpus.read_passages` for JSONL and `.gz`).
 
+    Whether a store holds the corpus is decided by the corpus checksum, which reads and parses
+    the whole file (minutes at 21M passages). Once that is known, `<store_dir>.source.json`
+    records the file it was checked against (path, size, mtime, first MiB's sha256, the fields
+    read); a later call whose file still matches that record, with the store's checksum
+    unchanged, reuses the store without reading the corpus. A file written since (a new mtime
+    or size) is read and checked again.
+
     Raises:
       ValueError: `store_dir` holds a store of another corpus or tokenizer (unless `overwrite`).
     """
     store_dir = pathlib.Path(store_dir)
+    path = pathlib.Path(corpus_path)
+    record = _source_record(path, fields)  # before reading: a file written meanwhile differs
     if (store_dir / files.MANIFEST).is_file():
         store = PassageStore.open(store_dir)
-        checksum = corpus.corpus_checksum(corpus.read_passages(corpus_path, fields))
+        known = _read_source_record(store_dir) == dict(record, checksum=store.checksum)
+        checksum = (
+            store.checksum
+            if known
+            else corpus.corpus_checksum(corpus.read_passages(corpus_path, fields))
+        )
         stale = store.differences(checksum, tokenizer)
         if not stale:
             shutil.rmtree(store_dir / STATE_DIR, ignore_errors=True)  # killed while tidying
+            _write_source_record(store_dir, record, store.checksum)
             return store
         if not overwrite:
             raise ValueError(
@@ -210,12 +226,40 @@ def open_or_build(
                 "pass overwrite=True to rebuild it"
             )
         shutil.rmtree(store_dir)
-    if pathlib.Path(corpus_path).suffix == ".tsv":
-        return ingest_tsv(corpus_path, tokenizer, store_dir, fields=fields, workers=workers,
-                          progress=progress, overwrite=overwrite)  # fmt: skip
-    if store_dir.exists():  # an interrupted build (PassageStore.build does not resume)
-        shutil.rmtree(store_dir)
-    return PassageStore.build(corpus.read_passages(corpus_path, fields), tokenizer, store_dir)
+    _source_path(store_dir).unlink(missing_ok=True)
+    if path.suffix == ".tsv":
+        store = ingest_tsv(corpus_path, tokenizer, store_dir, fields=fields, workers=workers,
+                           progress=progress, overwrite=overwrite)  # fmt: skip
+    else:
+        if store_dir.exists():  # an interrupted build (PassageStore.build does not resume)
+            shutil.rmtree(store_dir)
+        store = PassageStore.build(corpus.read_passages(corpus_path, fields), tokenizer, store_dir)
+    _write_source_record(store_dir, record, store.checksum)
+    return store
+
+
+def _source_path(store_dir: pathlib.Path) -> pathlib.Path:
+    """Beside the store, not in it: a store's folder holds its own files only."""
+    return store_dir.with_name(store_dir.name + ".source.json")
+
+
+def _source_record(path: pathlib.Path, fields) -> dict:
+    return {
+        "source": _source_identity(path, path.stat().st_size),
+        "fields": list(corpus._field_names(fields)),
+    }
+
+
+def _read_source_record(store_dir: pathlib.Path) -> dict | None:
+    try:
+        return json.loads(_source_path(store_dir).read_text())
+    except (OSError, ValueError):
+        return None  # none, or unreadable: the corpus is read and checked instead
+
+
+def _write_source_record(store_dir: pathlib.Path, record: dict, checksum: str) -> None:
+    text = json.dumps(dict(record, checksum=checksum), indent=1, sort_keys=True)
+    files.write_atomic(_source_path(store_dir), text.encode())
 
 
 def _header(path: pathlib.Path, fields) -> tuple[list[str], list[int], int]:

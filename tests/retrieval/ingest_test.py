@@ -201,3 +201,36 @@ def test_an_ingest_fits_where_the_whole_corpus_does_not(tmp_path):
     store = PassageStore.open(tmp_path / "stream")
     assert len(store) == 120_000
     assert store.checksum == corpus.corpus_checksum(corpus.read_tsv(path))
+
+
+def test_a_store_checked_once_is_reused_without_reading_its_corpus(
+    tmp_path, tokenizer, monkeypatch
+):
+    """`open_or_build` records the file a store was checked against beside it; while the file
+    matches the record, reusing the store reads none of it. A file written since is read and
+    checked again: the same passages pass (the record renewed), others are refused."""
+    path = tmp_path / "psgs.tsv"
+    synthetic_corpus.write_dpr_tsv(path, 300, seed=2)
+    store_dir = tmp_path / "store"
+    built = ingest.open_or_build(path, tokenizer, store_dir, workers=1, progress=False)
+    assert (tmp_path / "store.source.json").is_file()
+    assert not (store_dir / "store.source.json").exists()  # the store's folder holds its own
+    reads = []
+    real = corpus.read_passages
+    monkeypatch.setattr(corpus, "read_passages", lambda *a, **k: reads.append(a) or real(*a, **k))
+    again = ingest.open_or_build(path, tokenizer, store_dir, workers=1, progress=False)
+    assert reads == [] and again.checksum == built.checksum
+    os.utime(path, ns=(1, 1))  # touched: the same bytes, another mtime
+    assert ingest.open_or_build(path, tokenizer, store_dir, workers=1, progress=False)
+    assert len(reads) == 1  # read and checked once, then known again
+    ingest.open_or_build(path, tokenizer, store_dir, workers=1, progress=False)
+    assert len(reads) == 1
+    synthetic_corpus.write_dpr_tsv(path, 300, seed=3)  # other passages, a new mtime
+    with pytest.raises(ValueError, match="another corpus or tokenizer .*corpus_checksum"):
+        ingest.open_or_build(path, tokenizer, store_dir, workers=1, progress=False)
+    assert len(reads) == 2
+    # The same passages written again: read, checked and known again.
+    synthetic_corpus.write_dpr_tsv(path, 300, seed=2)
+    ingest.open_or_build(path, tokenizer, store_dir, workers=1, progress=False)
+    record = json.loads((tmp_path / "store.source.json").read_text())
+    assert record["checksum"] == built.checksum and record["fields"] == ["id", "title", "text"]
