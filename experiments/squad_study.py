@@ -177,11 +177,18 @@ def write_slice(config, count: int, path: pathlib.Path) -> int:
     d = config.data
     if d.sample_by != "article" or not d.max_train or d.sample_seed < 0:
         raise ValueError("a slice follows a seeded sample of whole articles (data.sample_by)")
-    train = data.read_examples(d.train_path, dict(d.fields or {}) or None)
+    fields = dict(d.fields or {})
+    train = data.read_examples(d.train_path, fields or None)
     titles = {p.id: p.title for p in read_corpus(d.corpus_path)}
     chosen = articles.next_articles(train, titles, d.max_train, count, d.sample_seed)
+    key = lambda name: fields.get(name, name)  # noqa: E731  the file's names, as it reads them
     lines = [
-        {"id": e.id, "question": e.question, "answers": list(e.answers), "gold_ids": e.gold_ids}
+        {
+            key("id"): e.id,
+            key("question"): e.question,
+            key("answers"): list(e.answers),
+            key("gold_ids"): list(e.gold_ids),
+        }
         for e in chosen
     ]
     text = "".join(json.dumps(line) + "\n" for line in lines)

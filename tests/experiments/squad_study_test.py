@@ -245,7 +245,7 @@ def test_the_selection_slice_shares_no_article_with_the_training_sample(shared_d
     config = squad_study.CONFIGS["squad_objectives"].get_config()
     path = tmp_path / "train_slice.jsonl"
     count = squad_study.write_slice(config, 500, path)
-    chosen = data.read_examples(path)
+    chosen = data.read_examples(path, dict(config.data.fields))  # as data.eval_path is read
     train = experiment._load_data(config)[0]  # the 3,000 training questions, by article
     titles = {p.id: p.title for p in read_corpus(config.data.corpus_path)}
     of = lambda examples: {titles[e.gold_ids[0]] for e in examples}  # noqa: E731
