@@ -64,23 +64,30 @@ CONFIGS = {name: _load_config(name) for name in ("squad_open", "squad_llama", "s
 squad_open = CONFIGS["squad_open"]
 
 K = 16  # the retriever objectives' candidates per question (the reader reads rag.n_docs)
-PDIST = {"train.retriever_loss": "pdist", "train.retriever_candidates": K}
+# Each training question's K candidates are searched once, before training, by the initial
+# question tower (RA-DIT's fixed top-k scored once by the reader): every (passage, question)
+# pair is one `--fill_memo` computed. Searched again every step, the candidates drift with the
+# tower and each step's new pairs cost the frozen reader's forward passes (8-15 s a step here).
+FIXED = {"train.retriever_candidates": K, "train.retriever_fixed_candidates": True}
+PDIST = {"train.retriever_loss": "pdist", **FIXED}
 
 ROWS = {
     "closed_book": {"rag.closed_book": True, "rag.n_docs": 1},
     "frozen": {"train.retriever_lr_factor": 0.0},
     "joint": {},
     # What the retriever learns from the reader (rag_jax.retriever_losses), over K candidates.
-    "marginal_k16": {"train.retriever_candidates": K},
+    "marginal_k16": FIXED,
     "pdist_k16": PDIST,
-    "emdr2_k16": {"train.retriever_loss": "emdr2", "train.retriever_candidates": K},
-    "loop_k16": {"train.retriever_loss": "loop", "train.retriever_candidates": K},
+    "emdr2_k16": {"train.retriever_loss": "emdr2", **FIXED},
+    "loop_k16": {"train.retriever_loss": "loop", **FIXED},
+    # pdist with its candidates searched again every step, as RAG's own rows search.
+    "pdist_k16_searched": {**PDIST, "train.retriever_fixed_candidates": False},
     # The passage side: the passage tower trains too, the index re-encoded every 100 steps.
     "pdist_k16_passages": {**PDIST, "train.freeze": "^generator/", "retrieval.refresh_every": 100},
     # Controls. The ceiling: the question tower trained on the gold paragraphs (DPR's loss, in-
     # batch and hard negatives). No feedback: pdist with the reader's likelihoods shuffled among
     # each question's candidates.
-    "gold": {"train.retriever_loss": "gold", "train.retriever_candidates": K},
+    "gold": {"train.retriever_loss": "gold", **FIXED},
     "pdist_k16_shuffled": {**PDIST, "train.retriever_shuffle_reader": True},
     # The curve over training-set sizes (the article sample is nested in its size).
     "pdist_k16_n600": {**PDIST, "data.max_train": 600},

@@ -321,6 +321,14 @@ SCHEMA: dict[str, dict[str, tuple]] = {
             "tau_s: the retriever's distribution softmax(doc score / tau_s) in its own loss "
             "(the doc scores are already scaled by rag.doc_score_scale)",
         ),
+        "retriever_fixed_candidates": (
+            False,
+            "each training question's candidates (rag.n_docs, or train.retriever_candidates) are "
+            "fixed before training: its top K under the initial question encoder and index, as "
+            "RA-DIT scores a fixed top-k once by the reader, not searched again each step; the "
+            "doc scores over them are the current question encoder's. With a frozen reader every "
+            "pair is then one a memo filled ahead holds (squad_study.py --fill_memo)",
+        ),
         "retriever_shuffle_reader": (
             False,
             "a control: each question's candidates get one another's reader likelihoods "

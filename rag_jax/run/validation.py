@@ -277,6 +277,14 @@ def _check_retriever_objective(config: ml_collections.ConfigDict) -> None:
             "retriever's own objective reads: set config.train.answer_memo=True and a "
             "retriever_loss other than marginal (or retriever_candidates > rag.n_docs)"
         )
+    r = config.retrieval  # the step searches for itself (experiment._asks_in_step's rule)
+    in_step = r.index == "device" and r.search_in_step and not r.refresh_every
+    if t.retriever_fixed_candidates and (config.rag.closed_book or in_step):
+        raise ValueError(
+            "config.train.retriever_fixed_candidates fixes the passages a host search finds "
+            "before training; it needs retrieval (not rag.closed_book) on the host (not "
+            "retrieval.index='device' with retrieval.search_in_step)"
+        )
     if objective.separate(config.rag.n_docs) and config.rag.closed_book:
         raise ValueError(
             f"config.train.retriever_loss={t.retriever_loss!r} (candidates "

@@ -131,6 +131,7 @@ class Batcher:
         memoised = train and exp.config.train.answer_memo
         self.memo = answer_memo(exp, mesh) if memoised else None
         self._rows = None  # (store, passage id -> row): the gold objective's lookup
+        self._fixed = None  # train.retriever_fixed_candidates: [len(train), K] rows
 
     def save_memo(self) -> None:
         """Writes the answer memo's new pairs (`train.answer_memo`; nothing without one)."""
@@ -165,26 +166,44 @@ class Batcher:
                 f"config.data.target={c.data.target!r}: a memo is filled ahead for the first "
                 "answer only (a sampled target changes with the step)"
             )
-        retriever = retriever.with_n_docs(candidate_count(c))
         prompts, answers = [], []
-        for start in range(0, len(examples), chunk):
-            part = examples[start : start + chunk]
-            fields, pieces = self.questions(part)
+        for part, hits in self._searched(params, examples, retriever, chunk):
             labels = answer_labels(
                 self.exp.generator_tokenizer,
                 [data.pick_target(e.answers, "first", c.seed, 0, 0) for e in part],
                 self.exp.rag_cfg,
                 c.data.answer_length,
             )
-            vectors = self.embed(
-                params, fields["question_input_ids"], fields["question_attention_mask"]
-            )  # -> [chunk, D], on one device: no batch to shard
-            hits = retriever(np.asarray(vectors), pieces)  # -> [chunk * K, S] contexts
+            k = hits.doc_ids.shape[1]
             for r in range(len(hits.context_input_ids)):
                 real = hits.context_attention_mask[r] == 1
                 prompts.append(hits.context_input_ids[r][real].astype(np.int32))
-                answers.append(labels[r // retriever.n_docs])
+                answers.append(labels[r // k])
         return prompts, answers
+
+    def _searched(self, params, examples, retriever, chunk: int):
+        """(examples, their `Retrieved` K candidates under `params`' question encoder), `chunk`
+        questions at a time, on this process's devices alone."""
+        retriever = retriever.with_n_docs(candidate_count(self.exp.config))
+        for start in range(0, len(examples), chunk):
+            part = examples[start : start + chunk]
+            fields, pieces = self.questions(part)
+            vectors = self.embed(
+                params, fields["question_input_ids"], fields["question_attention_mask"]
+            )  # -> [chunk, D], on one device: no batch to shard
+            yield part, retriever(np.asarray(vectors), pieces)  # -> [chunk * K, S] contexts
+
+    def fixed_candidates(self, chunk: int = 256) -> np.ndarray:
+        """[len(train), K] passage rows: every training question's top K under the run's
+        initial question encoder and index (`train.retriever_fixed_candidates`), searched once
+        (the same on a resumed run: a function of the initial parameters alone)."""
+        if self._fixed is None:
+            exp = self.exp
+            found = [
+                h.doc_ids for _, h in self._searched(exp.params, exp.train, exp.retriever, chunk)
+            ]
+            self._fixed = np.concatenate(found).astype(np.int64)
+        return self._fixed
 
     def questions(self, examples):
         c = self.exp.config
@@ -320,13 +339,17 @@ class Batcher:
         n_docs = self.exp.rag_cfg.n_docs
         if not isinstance(retriever, ClosedBook):  # K >= N candidates: the retriever's own loss
             retriever = retriever.with_n_docs(candidate_count(c))
-        hits, retrieval = retriever.for_step(
-            state.next_doc_ids,
-            lambda: self.question_vectors(state.params, fields),
-            pieces,
-            lambda: distributed.shard_batch(self.mesh, self.question_fields(step + 1)),
-            self.mesh,
-        )
+        if c.train.retriever_fixed_candidates:  # searched once, before training
+            idx = self._examples(step)[0]
+            hits, retrieval = retriever.gather(self.fixed_candidates()[idx], pieces), None
+        else:
+            hits, retrieval = retriever.for_step(
+                state.next_doc_ids,
+                lambda: self.question_vectors(state.params, fields),
+                pieces,
+                lambda: distributed.shard_batch(self.mesh, self.question_fields(step + 1)),
+                self.mesh,
+            )
         self._prepared = {k: v for k, v in self._prepared.items() if k > step}
         shape = hits.doc_ids.shape + (-1,)  # -> [B, N, S]
         context_ids, context_mask = self.contexts(hits)
