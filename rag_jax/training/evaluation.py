@@ -15,6 +15,7 @@ Legend: B batch, N docs, S context length, L generated length.
 """
 
 import functools
+import time
 
 import jax
 import numpy as np
@@ -129,6 +130,7 @@ def evaluate(
     mine = slice(batcher.block * local, (batcher.block + 1) * local)
     gen = generate_fn(rag_cfg, variant, c.eval.sequence_decoding)
     memos = _memos(exp, rag_cfg, variant, params) if generate and c.eval.answer_memo else None
+    saved = time.monotonic()
     ks = [k for k in ks if not generate or k <= rag_cfg.n_docs]
     totals, predictions = {}, []
     what = "answering" if generate else "retrieving for"
@@ -159,6 +161,9 @@ def evaluate(
             flat = lambda x: np.asarray(x).reshape(-1, x.shape[-1])  # noqa: E731 -> [B * N, S]
             tokens = memo_decoding.sequence_answers(*memos, flat(ctx), flat(ctx_mask), scores)
             doc_ids = hits.doc_ids
+            if time.monotonic() - saved >= memo.SAVE_EVERY_S:  # a kill loses minutes at most
+                memos[0].save()
+                saved = time.monotonic()
         elif generate:
             tokens, doc_ids = distributed.gather_to_host(
                 (gen(params, q_ids, q_mask, vecs, ctx, ctx_mask), doc_ids)

@@ -17,7 +17,7 @@ from rag_jax import rag_math
 from rag_jax.io import hf_llama
 from rag_jax.retrieval.corpus import read_corpus
 from rag_jax.run import data, paired, settings, validation
-from rag_jax.training import evaluation, experiment, loop
+from rag_jax.training import evaluation, experiment, loop, memo, memo_decoding
 from squad_subset import squad_subset
 
 
@@ -99,9 +99,10 @@ def test_joint_training_moves_retrieval_and_a_cut_gradient_does_not(
 
 
 @pytest.mark.slow  # SmolLM2 answers 16 questions from 4 passages, 3 times: 15 min on loaded cores
-def test_memoised_evaluation_answers_as_the_generator_does(shared_data, tmp_path):
+def test_memoised_evaluation_answers_as_the_generator_does(shared_data, tmp_path, monkeypatch):
     """`eval.answer_memo`: each prompt's greedy answer and likelihoods from the memos give the
-    predictions of the jitted RAG-Sequence decoding, and a second evaluation computes nothing."""
+    predictions of the jitted RAG-Sequence decoding, saved along the way (a long evaluation
+    killed keeps what it decoded), and a second evaluation computes nothing."""
     questions, passages, _ = squad_subset(shared_data, tmp_path, articles=1, per_passage=1)
     config = _config(questions, passages)
     config = settings.override(
@@ -111,6 +112,7 @@ def test_memoised_evaluation_answers_as_the_generator_does(shared_data, tmp_path
             "eval.answer_examples": 0,
             "eval.max_examples": 16,
             "eval.answer_memo": False,
+            "eval.batch_size": 8,
         },
     )
     exp = experiment.build(config, tmp_path / "run")
@@ -123,7 +125,14 @@ def test_memoised_evaluation_answers_as_the_generator_does(shared_data, tmp_path
 
     plain, plain_predictions = predictions(config)
     memoised = settings.override(config, {"eval.answer_memo": True})
+    saves = []
+    real_save = memo_decoding.GreedyMemo.save
+    monkeypatch.setattr(memo.__name__ + ".SAVE_EVERY_S", 0.0)
+    monkeypatch.setattr(
+        memo_decoding.GreedyMemo, "save", lambda self: saves.append(len(self)) or real_save(self)
+    )
     got, got_predictions = predictions(memoised)
+    assert len(saves) == 3 and 0 < saves[0] < saves[1]  # after each of 2 batches, then at the end
     assert [p["prediction"] for p in got_predictions] == [
         p["prediction"] for p in plain_predictions
     ]
