@@ -47,17 +47,23 @@ def sample_articles(
     """
     if not count or count >= len(examples):
         return list(examples)
+    chosen: list[int] = []
+    for rows in _seeded_articles(examples, titles, seed):
+        chosen += rows[: count - len(chosen)]
+        if len(chosen) == count:
+            break
+    return [examples[i] for i in sorted(chosen)]
+
+
+def _seeded_articles(examples, titles, seed: int) -> list[list[int]]:
+    """The examples' rows grouped by article, the articles in the seeded order both the sample
+    and the articles after it follow."""
     article = articles_of(examples, titles)
     names = sorted(set(article.values()))
     by_name: dict[str, list[int]] = {}
     for i, e in enumerate(examples):
         by_name.setdefault(article[e.id], []).append(i)
-    chosen: list[int] = []
-    for j in np.random.default_rng(seed).permutation(len(names)):
-        chosen += by_name[names[j]][: count - len(chosen)]
-        if len(chosen) == count:
-            break
-    return [examples[i] for i in sorted(chosen)]
+    return [by_name[names[j]] for j in np.random.default_rng(seed).permutation(len(names))]
 
 
 def next_articles(
@@ -72,14 +78,8 @@ def next_articles(
     Raises:
       ValueError: fewer than `count` examples lie outside the sample's articles.
     """
-    article = articles_of(examples, titles)
-    names = sorted(set(article.values()))
-    by_name: dict[str, list[int]] = {}
-    for i, e in enumerate(examples):
-        by_name.setdefault(article[e.id], []).append(i)
     seen, chosen = 0, []
-    for j in np.random.default_rng(seed).permutation(len(names)):
-        rows = by_name[names[j]]
+    for rows in _seeded_articles(examples, titles, seed):
         if seen < taken:  # an article of the sample (the one it cut included)
             seen += len(rows)
             continue

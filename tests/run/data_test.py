@@ -481,14 +481,20 @@ def test_max_train_and_max_eval_take_the_first_n_or_a_seeded_sample():
     assert evaluation.answer_sample(100, 100, 0) is None
 
 
-def test_a_sample_by_article_takes_whole_articles_nested_in_its_size():
+def _eight_articles():
+    """(passage id -> title, examples): 8 articles of 2 passages, 3 questions each."""
     titles = {f"{a}_{p}": a for a in "abcdefgh" for p in range(2)}
     examples = [
         data.Example(f"q{a}{p}{k}", ("x",), f"{a}{p}{k}", (f"{a}_{p}",))
         for a in "abcdefgh"
         for p in range(2)
         for k in range(3)
-    ]  # 8 articles of 6 questions
+    ]
+    return titles, examples
+
+
+def test_a_sample_by_article_takes_whole_articles_nested_in_its_size():
+    titles, examples = _eight_articles()
     small = articles.sample_articles(examples, titles, 9, seed=4)
     large = articles.sample_articles(examples, titles, 20, seed=4)
     assert len(small) == 9 and len(large) == 20
@@ -505,13 +511,7 @@ def test_a_sample_by_article_takes_whole_articles_nested_in_its_size():
 def test_the_next_articles_share_none_with_the_sample():
     """A selection slice: whole articles after a training sample's in its seeded order, none of
     them an article of the sample, not even the one the sample cut."""
-    titles = {f"{a}_{p}": a for a in "abcdefgh" for p in range(2)}
-    examples = [
-        data.Example(f"q{a}{p}{k}", ("x",), f"{a}{p}{k}", (f"{a}_{p}",))
-        for a in "abcdefgh"
-        for p in range(2)
-        for k in range(3)
-    ]  # 8 articles of 6 questions
+    titles, examples = _eight_articles()
     article = lambda e: e.gold_ids[0].split("_")[0]  # noqa: E731
     train = articles.sample_articles(examples, titles, 9, seed=4)  # one whole article + 3
     chosen = articles.next_articles(examples, titles, 9, 10, seed=4)
