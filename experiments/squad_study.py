@@ -41,7 +41,7 @@ import numpy as np
 
 import feedback_study
 from rag_jax.devices import distributed, host, preemption
-from rag_jax.retrieval import files
+from rag_jax.retrieval import files, passage_trunk
 from rag_jax.retrieval.corpus import read_corpus
 from rag_jax.retrieval.index import ExactIndex
 from rag_jax.run import articles, data, paired, settings
@@ -82,8 +82,14 @@ ROWS = {
     "loop_k16": {"train.retriever_loss": "loop", **FIXED},
     # pdist with its candidates searched again every step, as RAG's own rows search.
     "pdist_k16_searched": {**PDIST, "train.retriever_fixed_candidates": False},
-    # The passage side: the passage tower trains too, the index re-encoded every 100 steps.
-    "pdist_k16_passages": {**PDIST, "train.freeze": "^generator/", "retrieval.refresh_every": 100},
+    # The passage side: MiniLM's top layer (of 6) trains too, on the states of the 5 below it,
+    # computed once (retrieval.passage_trunk); the index re-encoded from them every 150 steps.
+    "pdist_k16_passages": {
+        **PDIST,
+        "train.freeze": "^generator/|" + passage_trunk.trunk_pattern(5),
+        "retrieval.passage_head_layers": 1,
+        "retrieval.refresh_every": 150,
+    },
     # Controls. The ceiling: the question tower trained on the gold paragraphs (DPR's loss, in-
     # batch and hard negatives). No feedback: pdist with the reader's likelihoods shuffled among
     # each question's candidates.

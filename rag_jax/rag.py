@@ -122,11 +122,35 @@ def passage_embeddings(
     )
 
 
-def _pooled(cfg: bert.BertConfig, params, input_ids, attention_mask, dropout_rng) -> jax.Array:
-    """A BERT tower's pooled output [M, D]; dropout on when `dropout_rng` is given."""
+def batch_passage_vectors(
+    passage_cfg, params, batch, questions: int, count: int, dropout_rng, first_layer: int = 0
+) -> jax.Array:
+    """[B, K, D] doc vectors of a batch's passages, recomputed by the trainable passage tower:
+    from "passage_input_ids" [B * K, P], or from "passage_states" [B * K, P, H] entering layer
+    `first_layer`; with "passage_attention_mask" [B * K, P]."""
+    if passage_cfg is None:
+        raise ValueError("the batch has the passages' inputs but the loss got no passage_cfg")
+    name = "passage_states" if "passage_states" in batch else "passage_input_ids"
+    inputs, first = batch[name], first_layer if name == "passage_states" else 0
+    if name == "passage_states" and not first:
+        raise ValueError("passage_states need the layer they enter (passage_first_layer > 0)")
+    if inputs.shape[0] != questions * count:
+        raise ValueError(
+            f"{name} {tuple(inputs.shape)} must have B * K rows: B = {questions} questions, "
+            f"K = {count} passages each"
+        )
+    mask = batch["passage_attention_mask"]
+    docs = _pooled(passage_cfg, params["passage_encoder"], inputs, mask, dropout_rng, first)
+    return docs.reshape(questions, count, -1)
+
+
+def _pooled(cfg, params, input_ids, attention_mask, dropout_rng, first_layer=0) -> jax.Array:
+    """A BERT tower's pooled output [M, D], from the states entering `first_layer` when > 0;
+    dropout on when `dropout_rng` is given."""
     rngs = {} if dropout_rng is None else {"dropout": dropout_rng}
+    deterministic = dropout_rng is None
     pooled, _ = bert.BertEncoder(cfg).apply(
-        {"params": params}, input_ids, attention_mask, None, dropout_rng is None, rngs=rngs
+        {"params": params}, input_ids, attention_mask, None, deterministic, first_layer, rngs=rngs
     )
     return pooled
 
@@ -359,6 +383,7 @@ def loss_fn(
     variant: str = "sequence",
     dropout_rng: jax.Array | None = None,
     passage_cfg: bert.BertConfig | None = None,
+    passage_first_layer: int = 0,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The joint training loss: question encoder → doc scores → marginal likelihood.
 
@@ -376,6 +401,8 @@ def loss_fn(
         `params["passage_encoder"]`, so the loss's gradient reaches it too.
       dropout_rng: enables dropout in both halves when given.
       passage_cfg: the passage encoder's config; needed with "passage_input_ids".
+      passage_first_layer: the layer "passage_states" [B * N, P, H] enter when they replace the
+        passage tokens (the frozen layers' output, `retrieval.passage_trunk`).
 
     Returns:
       loss: [] the weighted mean per-example NLL (the weighted sum with `cfg.reduce_loss`).
@@ -393,20 +420,11 @@ def loss_fn(
         batch["question_attention_mask"],
         q_rng,
     )
-    if "passage_input_ids" in batch:
-        if passage_cfg is None:
-            raise ValueError("batch has passage_input_ids but loss_fn got no passage_cfg")
-        ids = batch["passage_input_ids"]
-        if ids.shape[0] != q.shape[0] * cfg.n_docs:
-            raise ValueError(
-                f"passage_input_ids {tuple(ids.shape)} must be [B * N, P] with B = "
-                f"{q.shape[0]} questions and N = {cfg.n_docs}"
-            )
+    if "passage_input_ids" in batch or "passage_states" in batch:
         p_rng = None if q_rng is None else jax.random.fold_in(q_rng, 1)
-        docs = _pooled(
-            passage_cfg, params["passage_encoder"], ids, batch["passage_attention_mask"], p_rng
-        )
-        docs = docs.reshape(q.shape[0], cfg.n_docs, -1)  # -> [B, N, D]
+        docs = batch_passage_vectors(
+            passage_cfg, params, batch, q.shape[0], cfg.n_docs, p_rng, passage_first_layer
+        )  # -> [B, N, D]
     else:
         docs = batch["doc_vectors"]
     if docs.shape[:2] != (q.shape[0], cfg.n_docs):

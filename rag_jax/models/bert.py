@@ -85,14 +85,18 @@ class BertEncoder(nn.Module):
         attention_mask: jax.Array,
         token_type_ids: jax.Array | None = None,
         deterministic: bool = True,
+        first_layer: int = 0,
     ) -> tuple[jax.Array, dict[str, jax.Array]]:
         """Encodes a padded batch.
 
         Args:
-          input_ids: [B, S] int token ids.
+          input_ids: [B, S] int token ids; or, with `first_layer` > 0, [B, S, H] float the
+            states layer `first_layer - 1` output (`aux["hidden"]` of the encoder cut to
+            `first_layer` layers): the embeddings and the layers below are not run.
           attention_mask: [B, S] 1 = token, 0 = padding.
           token_type_ids: [B, S] segment ids, or None for all zeros.
           deterministic: disables dropout (needs a `dropout` rng when False).
+          first_layer: the first layer run; 0 runs the whole encoder from token ids.
 
         Returns:
           pooled: [B, D] float32, the [CLS] hidden state or the mean over real tokens
@@ -100,10 +104,15 @@ class BertEncoder(nn.Module):
           aux: {"hidden": [B, S, H] float32} plus {"pooler_output": [B, H]} with a pooler.
         """
         cfg = self.config
-        if input_ids.ndim != 2 or attention_mask.shape != input_ids.shape:
+        if not 0 <= first_layer <= cfg.num_hidden_layers:
             raise ValueError(
-                f"input_ids {input_ids.shape} and attention_mask {attention_mask.shape} must both "
-                "be [B, S]"
+                f"first_layer {first_layer} must be in [0, {cfg.num_hidden_layers}] (the layers)"
+            )
+        wanted = (2, "[B, S]") if first_layer == 0 else (3, "[B, S, H] states")
+        if input_ids.ndim != wanted[0] or attention_mask.shape != input_ids.shape[:2]:
+            raise ValueError(
+                f"input_ids {input_ids.shape} must be {wanted[1]} and attention_mask "
+                f"{attention_mask.shape} [B, S]"
             )
         length = input_ids.shape[1]
         if length > cfg.max_position_embeddings:
@@ -119,22 +128,28 @@ class BertEncoder(nn.Module):
             param_dtype=param_dtype,
             embedding_init=nn.initializers.normal(cfg.initializer_range),
         )
-        if token_type_ids is None:
-            token_type_ids = jnp.zeros_like(input_ids)
-        x = embed(cfg.vocab_size, name="word_embeddings")(input_ids)
-        x = x + embed(cfg.max_position_embeddings, name="position_embeddings")(
-            jnp.arange(length)[None, :]
-        )
-        x = x + embed(cfg.type_vocab_size, name="token_type_embeddings")(token_type_ids)
-        x = nn.LayerNorm(
-            epsilon=cfg.layer_norm_eps, dtype=dtype, param_dtype=param_dtype, name="embeddings_ln"
-        )(x)
-        if not deterministic and cfg.hidden_dropout_prob > 0.0:
-            x = nn.Dropout(cfg.hidden_dropout_prob)(x, deterministic=False)
+        if first_layer:  # states of the layers below, computed elsewhere
+            x = input_ids.astype(dtype)
+        else:
+            if token_type_ids is None:
+                token_type_ids = jnp.zeros_like(input_ids)
+            x = embed(cfg.vocab_size, name="word_embeddings")(input_ids)
+            x = x + embed(cfg.max_position_embeddings, name="position_embeddings")(
+                jnp.arange(length)[None, :]
+            )
+            x = x + embed(cfg.type_vocab_size, name="token_type_embeddings")(token_type_ids)
+            x = nn.LayerNorm(
+                epsilon=cfg.layer_norm_eps,
+                dtype=dtype,
+                param_dtype=param_dtype,
+                name="embeddings_ln",
+            )(x)
+            if not deterministic and cfg.hidden_dropout_prob > 0.0:
+                x = nn.Dropout(cfg.hidden_dropout_prob)(x, deterministic=False)
 
         mask = layers.padding_mask(None, attention_mask)  # -> [B, 1, 1, S]
         layer = layers.layer_class(cfg.remat, cfg.remat_policy)
-        for i in range(cfg.num_hidden_layers):
+        for i in range(first_layer, cfg.num_hidden_layers):
             x = layer(
                 num_heads=cfg.num_attention_heads,
                 hidden=cfg.hidden_size,

@@ -358,6 +358,10 @@ class PassageEncoder:
             mesh=sharding.data_mesh(jax.local_devices()),
         )
 
+    def encode_rows(self, store: PassageStore, rows: range) -> np.ndarray:
+        """[n, D] float32 vectors of the store's passages `rows` (`encode_store`'s windows)."""
+        return self.encode([store.passage(i) for i in rows])
+
     def encoding(self, store: PassageStore) -> dict:
         """Everything the vectors of `store` depend on."""
         return {
@@ -409,21 +413,7 @@ def encode_store(store: PassageStore, encoder: PassageEncoder, partial=None) -> 
                 f"stopped while encoding the corpus of {store.directory}: {start} of {count} "
                 f"passages were encoded and {kept}"
             )
-        rows = range(start, min(count, start + ENCODE_WINDOW))
-        parts.append(
-            encode.encode_passages(
-                encoder.cfg,
-                encoder.params,
-                encoder.tokenizer,
-                [store.title(i) for i in rows],
-                [store.text(i) for i in rows],
-                max_length=encoder.max_length,
-                input_format=encoder.input_format,
-                batch_size=encoder.batch_size,
-                dtype="float32",
-                mesh=sharding.data_mesh(jax.local_devices()),
-            )
-        )
+        parts.append(encoder.encode_rows(store, range(start, min(count, start + ENCODE_WINDOW))))
     eta.update(count)
     if partial is not None and jax.process_index() == 0:
         pathlib.Path(partial).unlink(missing_ok=True)

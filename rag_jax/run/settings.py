@@ -276,6 +276,12 @@ SCHEMA: dict[str, dict[str, tuple]] = {
             "0 = the stored vectors never change (the paper's setup)",
         ),
         "refresh_lag": (0, "steps until a refreshed index serves; 0 = refresh_every // 2"),
+        "passage_head_layers": (
+            0,
+            "with refresh_every: only the passage tower's top H layers train, on its lower layers' "
+            "states computed once (retrieval.passage_trunk; train.freeze must cover the rest); "
+            "0 = the whole tower",
+        ),
         # Read when planning a run before its index exists (experiments/tpu_compile.py).
         "index_rows": (0, "C planned: passages in the index; 0 = the index's own count"),
         "index_dtype": ("", "planned vector dtype: float32 | bfloat16; empty = the index's own"),

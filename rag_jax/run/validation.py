@@ -343,6 +343,14 @@ def validate(config: ml_collections.ConfigDict, num_devices: int, *, paths: bool
             "config.retrieval.refresh_every=0 never re-encodes the corpus, so the index would "
             "go stale; freeze passage_encoder/ or set refresh_every"
         )
+    head = config.retrieval.passage_head_layers
+    if isinstance(head, bool) or not isinstance(head, int) or head < 0:
+        raise ValueError(f"config.retrieval.passage_head_layers must be >= 0, got {head!r}")
+    if head and not refresh_every:
+        raise ValueError(
+            f"config.retrieval.passage_head_layers={head} trains the passage tower's top layers: "
+            "set config.retrieval.refresh_every too, so the index follows them"
+        )
     if config.rag.closed_book and config.eval.n_docs > 1:
         raise ValueError(
             f"config.eval.n_docs={config.eval.n_docs} but config.rag.closed_book retrieves "

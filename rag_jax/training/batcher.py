@@ -28,7 +28,7 @@ from rag_jax.training.memo import AnswerMemo
 from rag_jax.training.step import candidate_count
 
 
-def batch_shapes(config, rag_cfg: rag.RagConfig, batch_size: int) -> dict:
+def batch_shapes(config, rag_cfg: rag.RagConfig, batch_size: int, passage_cfg=None) -> dict:
     """The arrays of the widest training batch `Batcher.train_batch` makes (contexts S, labels T
     wide) for `batch_size` questions, as `jax.ShapeDtypeStruct`s: what the trainer compiles
     first, and what a compile without data is made for (`benchmarks.aot`)."""
@@ -52,6 +52,10 @@ def batch_shapes(config, rag_cfg: rag.RagConfig, batch_size: int) -> dict:
             (batch_size, n, p),
             np.int32,
         )
+        if config.retrieval.passage_head_layers:  # its top layers, from its lower ones' states
+            hidden = (passage_cfg or rag_cfg.question_encoder).hidden_size
+            shapes["passage_states"] = ((batch_size, n, p, hidden), np.float32)
+            del shapes["passage_input_ids"]
     return {k: jax.ShapeDtypeStruct(shape, dtype) for k, (shape, dtype) in shapes.items()}
 
 
@@ -370,7 +374,14 @@ class Batcher:
             )
         if c.train.retriever_loss == "gold":  # the supervised control's gold passages
             arrays.update(self.gold_arrays(examples, hits.doc_ids, retriever))
-        if c.retrieval.refresh_every:  # a trainable passage encoder re-encodes them
+        if self.exp.passage_trunk is not None:  # its top layers, from its lower ones' states
+            states, mask = self.exp.passage_trunk.gather(hits.doc_ids.reshape(-1))
+            per_doc = hits.doc_ids.shape  # [B, K]
+            arrays.update(
+                passage_states=states.reshape(*per_doc, *states.shape[1:]),
+                passage_attention_mask=mask.reshape(*per_doc, -1),
+            )
+        elif c.retrieval.refresh_every:  # a trainable passage encoder re-encodes them
             ids, mask = self.passage_tokens(hits.doc_ids, retriever.store)
             arrays.update(
                 passage_input_ids=ids.reshape(shape), passage_attention_mask=mask.reshape(shape)

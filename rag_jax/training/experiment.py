@@ -39,9 +39,11 @@ import numpy as np
 from rag_jax import rag
 from rag_jax.devices import sharding
 from rag_jax.models import bert
+from rag_jax.retrieval import passage_trunk
 from rag_jax.retrieval import retriever as retrieval
 from rag_jax.retrieval.corpus import Passage, read_corpus
 from rag_jax.retrieval.device_index import DeviceIndex
+from rag_jax.retrieval.passage_trunk import TrunkStates
 from rag_jax.retrieval.retriever import ClosedBook, Retriever
 from rag_jax.retrieval.store import PassageStore
 from rag_jax.run import articles, data, model_setup, settings, synthetic
@@ -65,17 +67,28 @@ class Experiment:
     retriever: Retriever | ClosedBook | None  # ClosedBook: config.rag.closed_book
     workdir: pathlib.Path
     world: synthetic.World | None = None
+    # `retrieval.passage_head_layers`: the passage tower's frozen layers' states of the store.
+    passage_trunk: TrunkStates | None = None
 
     def passage_encoder(self, passage_params) -> retrieval.PassageEncoder:
         """This run's passage tower with `passage_params`, reading passages as the config says."""
         r = self.config.retrieval
-        return retrieval.PassageEncoder(
-            self.passage_cfg,
-            passage_params,
-            self.question_tokenizer,
+        reading = dict(
             max_length=r.passage_max_length,
             input_format=r.passage_format,
             batch_size=r.encode_batch_size,
+        )
+        if self.passage_trunk is not None:  # the store's passages run the head on their states
+            return passage_trunk.HeadEncoder(
+                self.passage_cfg,
+                passage_params,
+                self.question_tokenizer,
+                **reading,
+                trunk=self.passage_trunk,
+                store=self.store,
+            )
+        return retrieval.PassageEncoder(
+            self.passage_cfg, passage_params, self.question_tokenizer, **reading
         )
 
     def build_retriever(self, passage_params, *, store=None, save: bool = True, mesh=None):
@@ -259,4 +272,12 @@ def build(config: ml_collections.ConfigDict, workdir, *, retriever: bool = True)
     exp = Experiment(
         config, rag_cfg, p_cfg, params, q_tok, g_tok, train, evals, store, None, workdir, world
     )
+    if config.retrieval.passage_head_layers:  # the frozen layers' states, computed once
+        r = config.retrieval
+        first = passage_trunk.check_freeze(config.train.freeze, p_cfg, r.passage_head_layers)
+        root = (pathlib.Path(r.cache_dir) if r.cache_dir else workdir / "index") / "passage_trunk"
+        trunk = passage_trunk.open_or_build(
+            root, store, exp.passage_encoder(params["passage_encoder"]), first
+        )
+        exp = dataclasses.replace(exp, passage_trunk=trunk)
     return exp.with_retriever(params["passage_encoder"]) if retriever else exp

@@ -31,7 +31,7 @@ import tqdm
 from rag_jax.devices import device_memory, distributed, preemption, sharding
 from rag_jax.io import bundle
 from rag_jax.models import flash
-from rag_jax.retrieval import files
+from rag_jax.retrieval import files, passage_trunk
 from rag_jax.retrieval.device_index import DeviceIndex
 from rag_jax.retrieval.retriever import Retriever
 from rag_jax.run import checkpoints, metrics, settings, validation
@@ -52,9 +52,11 @@ from rag_jax.training.step import (
 # The loop
 
 
-def _with_width(inputs: tuple, context_width: int, label_width: int) -> tuple:
-    """The train step's arguments as abstract values, with the contexts `context_width` and the
-    labels `label_width` columns wide."""
+def _with_width(
+    inputs: tuple, context_width: int, label_width: int, passage_width: int = 0
+) -> tuple:
+    """The train step's arguments as abstract values, with the contexts `context_width`, the
+    labels `label_width` and the passage states `passage_width` columns wide."""
 
     def widen(name, x):
         shape = x.shape
@@ -62,6 +64,10 @@ def _with_width(inputs: tuple, context_width: int, label_width: int) -> tuple:
             shape = x.shape[:-1] + (context_width,)
         elif name in ("labels", "answer_logprobs"):
             shape = x.shape[:-1] + (label_width,)
+        elif name == "passage_states":  # [B, K, P, H]
+            shape = x.shape[:2] + (passage_width, x.shape[3])
+        elif name == "passage_attention_mask" and "passage_states" in inputs[0]:
+            shape = x.shape[:2] + (passage_width,)
         return jax.ShapeDtypeStruct(shape, x.dtype, sharding=x.sharding)
 
     batch = {name: widen(name, x) for name, x in inputs[0].items()}
@@ -158,6 +164,7 @@ def make_step_fn(config: ml_collections.ConfigDict, rag_cfg, passage_cfg, tx, in
     """The trainer's jitted train step for `config` (`step.make_train_step`), keeping the state
     where `state_where` puts it; `in_step`: it also searches a `DeviceIndex` for the next batch."""
     dropout_rng = jax.random.fold_in(jax.random.PRNGKey(config.seed), 1)
+    head = config.retrieval.passage_head_layers  # only the passage tower's top layers train
     return make_train_step(
         rag_cfg,
         config.rag.variant,
@@ -169,6 +176,7 @@ def make_step_fn(config: ml_collections.ConfigDict, rag_cfg, passage_cfg, tx, in
         state_sharding=state_where,
         frozen=config.train.freeze,
         objective=retriever_objective(config),
+        passage_first_layer=head and passage_trunk.first_layer(passage_cfg, head),
     )
 
 
@@ -343,13 +351,19 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir) -> dict:
         inputs = (distributed.shard_batch(mesh, batch.arrays), batch.retrieval)
         # model_inputs.context_width and label_width
         contexts = batch.arrays.get("context_input_ids")  # none with an answer memo
-        width = (0 if contexts is None else contexts.shape[-1], batch.arrays["labels"].shape[-1])
+        states = batch.arrays.get("passage_states")  # [B, K, P, H], P as wide as they need
+        width = (
+            0 if contexts is None else contexts.shape[-1],
+            batch.arrays["labels"].shape[-1],
+            0 if states is None else states.shape[2],
+        )
         # Pallas kernels (model.attention_impl "flash" or "splash") are split over the mesh they are
         # traced under.
         kernels = flash.tracing_mesh(config.model.attention_impl, mesh)
         with jax.transfer_guard("disallow"), kernels:
             if not compiled:  # ahead of the first call: the widest step's memory is checked
-                widest = (exp.rag_cfg.max_combined_length, config.data.answer_length)
+                passages = config.retrieval.passage_max_length * (states is not None)
+                widest = (exp.rag_cfg.max_combined_length, config.data.answer_length, passages)
                 compiled[widest] = step_fn.lower(state, *_with_width(inputs, *widest)).compile()
                 _check_memory(compiled[widest], state, exp, mesh)
             if width not in compiled:

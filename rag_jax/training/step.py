@@ -113,6 +113,7 @@ _PER_DOC_TOKENS = (
     "context_attention_mask",
     "passage_input_ids",
     "passage_attention_mask",
+    "passage_states",  # [B, N, P, H]: the passage tower's frozen layers' output
 )
 
 
@@ -155,6 +156,7 @@ def joint_loss_fn(
     passage_cfg=None,
     frozen: str = "",
     objective: RetrieverObjective | None = None,
+    passage_first_layer: int = 0,
 ) -> Callable:
     """The joint step's `loss_fn(params, batch, rng) -> (loss, aux)` over a training batch.
 
@@ -168,7 +170,10 @@ def joint_loss_fn(
     (`RetrieverObjective.separate`), the batch carries K >= N candidates per question, best
     first; the generator's loss is RAG's marginal over the first N with the retriever's towers
     held constant, and the retriever's loss spans all K with the reader's likelihoods held
-    constant; the step minimises their sum (each reaches only its own half)."""
+    constant; the step minimises their sum (each reaches only its own half).
+
+    `passage_first_layer`: the layer a batch's "passage_states" enter the passage tower at
+    (`retrieval.passage_trunk`)."""
     labels = optim.path_labels if frozen else None
     objective = objective or RetrieverObjective()
     separate = objective.separate(rag_cfg.n_docs)
@@ -179,9 +184,10 @@ def joint_loss_fn(
             params = jax.tree.map(lambda p, f: jax.lax.stop_gradient(p) if f else p, params, fixed)
         if separate:
             return _with_retriever_objective(
-                rag_cfg, objective, variant, passage_cfg, params, batch, rng
+                rag_cfg, objective, variant, (passage_cfg, passage_first_layer), params, batch, rng
             )
-        return rag.loss_fn(rag_cfg, params, _flat(batch), variant, rng, passage_cfg)
+        flat = _flat(batch)
+        return rag.loss_fn(rag_cfg, params, flat, variant, rng, passage_cfg, passage_first_layer)
 
     return loss_fn
 
@@ -191,7 +197,7 @@ def _flat(batch: dict) -> dict:
     flat = dict(batch)
     for key in _PER_DOC_TOKENS:
         if key in batch:
-            flat[key] = batch[key].reshape(-1, batch[key].shape[-1])  # -> [B * N, L]
+            flat[key] = batch[key].reshape(-1, *batch[key].shape[2:])  # -> [B * N, L(, H)]
     return flat
 
 
@@ -201,28 +207,26 @@ def _first_docs(batch: dict, n_docs: int) -> dict:
     return {k: v[:, :n_docs] if k in per_doc else v for k, v in batch.items()}
 
 
-def _with_retriever_objective(rag_cfg, objective, variant, passage_cfg, params, batch, rng):
+def _with_retriever_objective(rag_cfg, objective, variant, passage, params, batch, rng):
     """`joint_loss_fn`'s loss when the retriever has an objective of its own (see there)."""
-    n_docs = rag_cfg.n_docs
+    n_docs, (passage_cfg, first_layer) = rag_cfg.n_docs, passage
     towers = ("question_encoder", "passage_encoder")
     constant_towers = {k: jax.lax.stop_gradient(v) if k in towers else v for k, v in params.items()}
+    first_docs = _flat(_first_docs(batch, n_docs))
     generator_loss, aux = rag.loss_fn(
-        rag_cfg, constant_towers, _flat(_first_docs(batch, n_docs)), variant, rng, passage_cfg
+        rag_cfg, constant_towers, first_docs, variant, rng, passage_cfg, first_layer
     )
     q_rng = None if rng is None else jax.random.split(rng)[0]  # the question's, as rag.loss_fn's
     q = rag.question_embeddings(
         rag_cfg, params, batch["question_input_ids"], batch["question_attention_mask"], q_rng
     )  # -> [B, D]
-    if "passage_input_ids" in batch:  # a trainable passage encoder: its vectors, recomputed
-        ids = batch["passage_input_ids"]
+    if "passage_input_ids" in batch or "passage_states" in batch:  # a trainable passage
+        # tower: its vectors of the K candidates, recomputed
         p_rng = None if q_rng is None else jax.random.fold_in(q_rng, 1)
-        docs = rag.passage_embeddings(
-            passage_cfg,
-            params,
-            ids.reshape(-1, ids.shape[-1]),
-            batch["passage_attention_mask"].reshape(-1, ids.shape[-1]),
-            p_rng,
-        ).reshape(ids.shape[0], ids.shape[1], -1)  # -> [B, K, D]
+        b, k = batch["passage_attention_mask"].shape[:2]
+        docs = rag.batch_passage_vectors(
+            passage_cfg, params, _flat(batch), b, k, p_rng, first_layer
+        )  # -> [B, K, D]
     else:
         docs = batch["doc_vectors"]  # [B, K, D]
     scores = rag.doc_scores(q, docs, rag_cfg.doc_score_scale)  # -> [B, K]
@@ -291,6 +295,7 @@ def make_train_step(
     state_sharding=None,
     frozen: str = "",
     objective: RetrieverObjective | None = None,
+    passage_first_layer: int = 0,
 ):
     """The joint step `train_step(state, batch, retrieval=None) -> (state, metrics)`.
 
@@ -298,7 +303,8 @@ def make_train_step(
     `objective` (`train.retriever_*`): how the retriever trains (`joint_loss_fn`); with an
     in-step search, `search_n_docs` is then its K candidates.
 
-    `passage_cfg` is needed when batches carry passage tokens (a trainable passage encoder).
+    `passage_cfg` is needed when batches carry passage tokens (a trainable passage encoder), and
+    `passage_first_layer` when they carry the states of its frozen layers instead.
     `state_sharding` is the state's placement, kept by the new state (`make_step`).
 
     With `search_n_docs` = N > 0 the step also retrieves for the next batch: `retrieval` is
@@ -309,7 +315,7 @@ def make_train_step(
     host round trip; they are returned in `state.next_doc_ids`.
     """
 
-    loss_fn = joint_loss_fn(rag_cfg, variant, passage_cfg, frozen, objective)
+    loss_fn = joint_loss_fn(rag_cfg, variant, passage_cfg, frozen, objective, passage_first_layer)
     search_fn = None
     if search_n_docs:
 

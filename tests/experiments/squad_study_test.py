@@ -15,6 +15,8 @@ import pytest
 import squad_study
 from rag_jax import rag_math
 from rag_jax.io import hf_llama
+from rag_jax.models import bert
+from rag_jax.retrieval import passage_trunk
 from rag_jax.retrieval.corpus import read_corpus
 from rag_jax.run import data, paired, settings, validation
 from rag_jax.training import evaluation, experiment, loop, memo, memo_decoding
@@ -172,6 +174,11 @@ def test_every_row_is_a_valid_config_differing_only_in_its_overrides():
     for name, overrides in squad_study.ROWS.items():
         config = settings.override(squad_study.CONFIGS["squad_objectives"].get_config(), overrides)
         validation.validate(config, 1, paths=False)
+        if config.retrieval.passage_head_layers:  # its freeze fits MiniLM-L6's 6 layers
+            minilm = bert.BertConfig(num_hidden_layers=6)
+            passage_trunk.check_freeze(
+                config.train.freeze, minilm, config.retrieval.passage_head_layers
+            )
         settings_keys = set(overrides)
         changed = {
             f"{section}.{k}"
