@@ -165,6 +165,34 @@ def table(results: dict) -> str:
     return "\n".join(lines)
 
 
+def _flat(tree: dict, prefix: str = "") -> dict:
+    flat = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat.update(_flat(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def config_changes(earlier: dict, config: dict) -> list[str]:
+    """The settings in which `config` differs from the `earlier` rows' config (both as JSON keeps
+    them), sorted. A setting the earlier config lacks counts only away from its default: a setting
+    added since leaves the rows it did not exist for as they were. One the earlier had and `config`
+    lacks always counts (the rows were run with something this code cannot repeat)."""
+    earlier = _flat(earlier)
+    config = _flat(json.loads(json.dumps(config)))
+    default = _flat(json.loads(json.dumps(settings.defaults().to_dict())))
+    changed = []
+    for key in sorted(set(earlier) | set(config)):
+        if key not in earlier:
+            if key not in default or config[key] != default[key]:
+                changed.append(key)
+        elif key not in config or config[key] != earlier[key]:
+            changed.append(key)
+    return changed
+
+
 def run(
     base: ml_collections.ConfigDict,
     out: pathlib.Path,
@@ -201,13 +229,14 @@ def run(
     previous = out / "results.json"
     if previous.is_file():  # rows run earlier into the same folder, from the same config, are kept
         earlier = json.loads(previous.read_text())
-        if earlier.get("config") == json.loads(json.dumps(results["config"])):  # as JSON keeps it
-            results["rows"] = earlier.get("rows", {})
-        else:
+        changed = config_changes(earlier.get("config", {}), results["config"])
+        if changed:
             raise ValueError(
                 f"{previous} holds rows of another base config (another --config, --variant or "
-                "seed, or a changed default); use another --out, or delete it to run them again"
+                f"seed, or a changed default: {', '.join(changed)}); use another --out, or delete "
+                "it to run them again"
             )
+        results["rows"] = earlier.get("rows", {})
     start = time.perf_counter()
     for name, overrides in selected.items():
         if name in results["rows"] and results["rows"][name]["overrides"] == overrides:
