@@ -32,8 +32,8 @@ And one that does not learn from the reader, the supervised ceiling of a study's
 scores it; for RAG-Token's reader it is the same per-candidate likelihood. Every objective here is
 per question ([B]); the trainer weights and averages them as it does the NLL.
 
-Legend: B batch, K candidates per question (train.retriever_candidates, K >= N), N docs the
-generator reads (rag.n_docs), T answer length.
+Legend: B batch, K candidates per question (train.retriever_candidates, K >= N, plus any
+random negatives), N docs the generator reads (rag.n_docs), T answer length.
 """
 
 import dataclasses
@@ -56,12 +56,15 @@ class RetrieverObjective:
         generator reads the first rag.n_docs of them (the best) in its own loss.
       lm_temperature: tau_g, the reader side's temperature (pdist, loop).
       score_temperature: tau_s, the retriever side's: q = softmax(s / tau_s) (every objective).
+      random_negatives: R passages drawn from the corpus appended after the K (the batcher's
+        `random_negatives`): the objective spans K + R.
     """
 
     loss: str = "marginal"
     candidates: int = 0
     lm_temperature: float = 0.1
     score_temperature: float = 1.0
+    random_negatives: int = 0
 
     def __post_init__(self):
         if self.loss not in OBJECTIVES:
@@ -73,6 +76,10 @@ class RetrieverObjective:
                 f"config.train.retriever_candidates must be >= 0 (0 = rag.n_docs), got "
                 f"{self.candidates}"
             )
+        if self.random_negatives < 0:
+            raise ValueError(
+                f"config.train.retriever_random_negatives must be >= 0, got {self.random_negatives}"
+            )
         for name, value in (
             ("retriever_lm_temperature", self.lm_temperature),
             ("retriever_score_temperature", self.score_temperature),
@@ -80,9 +87,14 @@ class RetrieverObjective:
             if not value > 0:
                 raise ValueError(f"config.train.{name} must be > 0, got {value!r}")
 
-    def count(self, n_docs: int) -> int:
-        """K for a generator reading `n_docs` passages."""
+    def searched(self, n_docs: int) -> int:
+        """K, the candidates searched (or fixed) per question, for a generator reading
+        `n_docs` passages."""
         return max(self.candidates, n_docs)
+
+    def count(self, n_docs: int) -> int:
+        """K + R, the passages per question the objective spans."""
+        return self.searched(n_docs) + self.random_negatives
 
     def separate(self, n_docs: int) -> bool:
         """Whether the retriever has a loss of its own: another objective than RAG's marginal,

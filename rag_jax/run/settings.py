@@ -318,6 +318,14 @@ SCHEMA: dict[str, dict[str, tuple]] = {
             "K, the passages per question the retriever's loss spans (the generator reads the "
             "best rag.n_docs of them); 0 = rag.n_docs",
         ),
+        "retriever_random_negatives": (
+            0,
+            "R passages drawn uniformly from the corpus per training question, appended after "
+            "its K candidates in the retriever's loss (never the generator's): fixed for the "
+            "question (a function of the seed and its id), none of its gold passages and none "
+            "of its candidates (a clash is redrawn). With a frozen reader a memo filled ahead "
+            "holds their pairs too",
+        ),
         "retriever_lm_temperature": (
             0.1,
             "tau_g of pdist and loop: the reader's posterior softmax(log p_LM / tau_g)",

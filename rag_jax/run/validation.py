@@ -137,6 +137,7 @@ def _check_sizes(config: ml_collections.ConfigDict) -> None:
         ("warm_start.reader_steps", config.warm_start.reader_steps),
         ("eval.n_docs", config.eval.n_docs),
         ("retrieval.index_rows", config.retrieval.index_rows),
+        ("train.retriever_random_negatives", config.train.retriever_random_negatives),
     ]
     for key, value in counts:
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -270,6 +271,7 @@ def _check_retriever_objective(config: ml_collections.ConfigDict) -> None:
         t.retriever_candidates,
         t.retriever_lm_temperature,
         t.retriever_score_temperature,
+        t.retriever_random_negatives,
     )
     if t.retriever_shuffle_reader and not (t.answer_memo and objective.separate(config.rag.n_docs)):
         raise ValueError(
@@ -288,7 +290,8 @@ def _check_retriever_objective(config: ml_collections.ConfigDict) -> None:
     if objective.separate(config.rag.n_docs) and config.rag.closed_book:
         raise ValueError(
             f"config.train.retriever_loss={t.retriever_loss!r} (candidates "
-            f"{t.retriever_candidates}) trains the retriever, but config.rag.closed_book "
+            f"{t.retriever_candidates}, random negatives {t.retriever_random_negatives}) "
+            "trains the retriever, but config.rag.closed_book "
             "retrieves nothing; leave the train.retriever_* settings at their defaults"
         )
 

@@ -12,6 +12,7 @@ Legend: B batch, N docs, S context length, T target length, Q question length, P
 import dataclasses
 import functools
 import pathlib
+import zlib
 from typing import Any
 
 import jax
@@ -25,7 +26,7 @@ from rag_jax.retrieval.retriever import ClosedBook, Retrieved
 from rag_jax.run import data, metrics
 from rag_jax.training import optim
 from rag_jax.training.memo import AnswerMemo
-from rag_jax.training.step import candidate_count
+from rag_jax.training.step import candidate_count, searched_count
 
 
 def batch_shapes(config, rag_cfg: rag.RagConfig, batch_size: int, passage_cfg=None) -> dict:
@@ -103,6 +104,36 @@ def shuffled_candidates(answer_logprobs: np.ndarray, seed: int, step: int, block
     return np.take_along_axis(answer_logprobs, order[:, :, None], axis=1)
 
 
+def draw_negatives(
+    question_ids: list[str], candidates: np.ndarray, excluded: list[set], count: int, rows: int,
+    seed: int,
+) -> np.ndarray:  # fmt: skip
+    """[B, R] passage rows drawn uniformly from `rows` for each question: R = `count` distinct rows,
+    none of its `candidates` [B, K] nor its `excluded` (its gold rows). Each question reads its own
+    stream, a function of `seed` and its id alone, skipping the rows it may not take: the same
+    question draws the same negatives in every batch, epoch and process while its candidates are
+    (a clash with a changed candidate is redrawn from the same stream)."""
+    drawn = np.zeros((len(question_ids), count), np.int64)
+    for b, qid in enumerate(question_ids):
+        barred = set(excluded[b]) | {int(j) for j in candidates[b]}
+        free = rows - sum(1 for j in barred if 0 <= j < rows)
+        if free < count:
+            raise ValueError(
+                f"config.train.retriever_random_negatives={count} but the corpus of {rows} "
+                f"passages has only {free} outside question {qid!r}'s candidates and gold "
+                "passages"
+            )
+        rng = np.random.default_rng([seed, zlib.crc32(qid.encode()), 0x4E4547])
+        taken: list[int] = []
+        while len(taken) < count:
+            for j in rng.integers(0, rows, size=2 * count + 8).tolist():
+                if j not in barred and len(taken) < count:
+                    taken.append(j)
+                    barred.add(j)
+        drawn[b] = taken
+    return drawn
+
+
 @dataclasses.dataclass
 class TrainBatch:
     """One training batch, this process's rows."""
@@ -171,7 +202,8 @@ class Batcher:
                 "answer only (a sampled target changes with the step)"
             )
         prompts, answers = [], []
-        for part, hits in self._searched(params, examples, retriever, chunk):
+        for part, hits, pieces in self._searched(params, examples, retriever, chunk):
+            hits = self.with_negatives(part, hits, pieces, retriever)
             labels = answer_labels(
                 self.exp.generator_tokenizer,
                 [data.pick_target(e.answers, "first", c.seed, 0, 0) for e in part],
@@ -186,16 +218,16 @@ class Batcher:
         return prompts, answers
 
     def _searched(self, params, examples, retriever, chunk: int):
-        """(examples, their `Retrieved` K candidates under `params`' question encoder), `chunk`
-        questions at a time, on this process's devices alone."""
-        retriever = retriever.with_n_docs(candidate_count(self.exp.config))
+        """(examples, their `Retrieved` K candidates under `params`' question encoder, their
+        question pieces), `chunk` questions at a time, on this process's devices alone."""
+        retriever = retriever.with_n_docs(searched_count(self.exp.config))
         for start in range(0, len(examples), chunk):
             part = examples[start : start + chunk]
             fields, pieces = self.questions(part)
             vectors = self.embed(
                 params, fields["question_input_ids"], fields["question_attention_mask"]
             )  # -> [chunk, D], on one device: no batch to shard
-            yield part, retriever(np.asarray(vectors), pieces)  # -> [chunk * K, S] contexts
+            yield part, retriever(np.asarray(vectors), pieces), pieces  # -> [chunk * K, S]
 
     def fixed_candidates(self, chunk: int = 256) -> np.ndarray:
         """[len(train), K] passage rows: every training question's top K under the run's
@@ -204,7 +236,7 @@ class Batcher:
         if self._fixed is None:
             exp = self.exp
             found = [
-                h.doc_ids for _, h in self._searched(exp.params, exp.train, exp.retriever, chunk)
+                h.doc_ids for _, h, _ in self._searched(exp.params, exp.train, exp.retriever, chunk)
             ]
             self._fixed = np.concatenate(found).astype(np.int64)
         return self._fixed
@@ -261,13 +293,33 @@ class Batcher:
             ids[i, : len(row)], mask[i, : len(row)] = row, 1
         return ids, mask
 
+    def _row_lookup(self, store) -> dict:
+        """Passage id -> row of `store` (kept for the store it was made for)."""
+        if self._rows is None or self._rows[0] is not store:
+            self._rows = (store, {store.ids[i]: i for i in range(len(store))})
+        return self._rows[1]
+
+    def with_negatives(self, examples, hits: Retrieved, pieces, retriever) -> Retrieved:
+        """`hits` with each question's `train.retriever_random_negatives` rows (`draw_negatives`,
+        none of its gold passages) appended after its candidates; `hits` itself without any."""
+        count = self.exp.config.train.retriever_random_negatives
+        if not count:
+            return hits
+        rows = self._row_lookup(retriever.store)
+        gold = [{rows[g] for g in e.gold_ids if g in rows} for e in examples]
+        drawn = draw_negatives(
+            [e.id for e in examples], hits.doc_ids, gold, count, retriever.index.count,
+            self.exp.config.seed,
+        )  # fmt: skip
+        ids = np.concatenate([hits.doc_ids, drawn], axis=1)  # -> [B, K + R]
+        scores = np.concatenate([hits.index_scores, np.full(drawn.shape, np.nan)], axis=1)
+        return retriever.with_n_docs(ids.shape[1]).gather(ids, pieces, scores)
+
     def gold_arrays(self, examples, doc_ids: np.ndarray, retriever) -> dict[str, np.ndarray]:
         """The `gold` objective's inputs: each question's (first) gold passage's stored vector
         [B, D] and which of its candidates [B, K] are a gold passage of it."""
         store = retriever.store
-        if self._rows is None or self._rows[0] is not store:
-            self._rows = (store, {store.ids[i]: i for i in range(len(store))})
-        rows = self._rows[1]
+        rows = self._row_lookup(store)
         gold = []
         for e in examples:
             known = [rows[g] for g in e.gold_ids if g in rows]
@@ -342,7 +394,7 @@ class Batcher:
         labels = labels[:, :width]
         n_docs = self.exp.rag_cfg.n_docs
         if not isinstance(retriever, ClosedBook):  # K >= N candidates: the retriever's own loss
-            retriever = retriever.with_n_docs(candidate_count(c))
+            retriever = retriever.with_n_docs(searched_count(c))
         if c.train.retriever_fixed_candidates:  # searched once, before training
             idx = self._examples(step)[0]
             hits, retrieval = retriever.gather(self.fixed_candidates()[idx], pieces), None
@@ -354,6 +406,8 @@ class Batcher:
                 lambda: distributed.shard_batch(self.mesh, self.question_fields(step + 1)),
                 self.mesh,
             )
+        if not isinstance(retriever, ClosedBook):  # then any random negatives after them
+            hits = self.with_negatives(examples, hits, pieces, retriever)
         self._prepared = {k: v for k, v in self._prepared.items() if k > step}
         shape = hits.doc_ids.shape + (-1,)  # -> [B, N, S]
         context_ids, context_mask = self.contexts(hits)

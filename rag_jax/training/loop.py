@@ -41,11 +41,11 @@ from rag_jax.training.evaluation import evaluate, summary_metrics
 from rag_jax.training.optim import make_optimizer
 from rag_jax.training.step import (
     TrainState,
-    candidate_count,
     init_state,
     make_train_step,
     retriever_objective,
     search_ids,
+    searched_count,
 )
 
 # ---------------------------------------------------------------------------------------------
@@ -115,7 +115,7 @@ def _init_state(exp: experiment.Experiment, retriever, batcher: Batcher, tx, mes
     passages (each later step searches for the next)."""
     where = sharding.param_sharding(mesh, exp.params, exp.config.train.param_sharding)
     params = jax.device_put(exp.params, where)
-    search = functools.partial(_first_search, exp.rag_cfg, candidate_count(exp.config), params)
+    search = functools.partial(_first_search, exp.rag_cfg, searched_count(exp.config), params)
     first = lambda: distributed.shard_batch(mesh, batcher.question_fields(0))  # noqa: E731
     return init_state(params, tx, retriever.initial_doc_ids(search, first, mesh))
 
@@ -151,7 +151,7 @@ def abstract_state(config: ml_collections.ConfigDict, params, tx, mesh, in_step:
     next_ids = None
     if in_step:
         next_ids = jax.ShapeDtypeStruct(
-            (config.train.batch_size, candidate_count(config)), jnp.int32
+            (config.train.batch_size, searched_count(config)), jnp.int32
         )
     shapes = jax.eval_shape(lambda: init_state(params, tx, next_ids))
     where = state_sharding(config, mesh, shapes)
@@ -172,7 +172,7 @@ def make_step_fn(config: ml_collections.ConfigDict, rag_cfg, passage_cfg, tx, in
         dropout_rng,
         config.model.deterministic,
         passage_cfg if config.retrieval.refresh_every else None,
-        search_n_docs=candidate_count(config) * in_step,
+        search_n_docs=searched_count(config) * in_step,
         state_sharding=state_where,
         frozen=config.train.freeze,
         objective=retriever_objective(config),

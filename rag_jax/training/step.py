@@ -125,13 +125,20 @@ def retriever_objective(config) -> RetrieverObjective:
         t.retriever_candidates,
         t.retriever_lm_temperature,
         t.retriever_score_temperature,
+        t.retriever_random_negatives,
     )
 
 
 def candidate_count(config) -> int:
-    """K, the passages a training batch carries per question: rag.n_docs, or more for the
-    retriever's own objective (`train.retriever_candidates`)."""
+    """The passages a training batch carries per question: rag.n_docs, or more for the
+    retriever's own objective (`train.retriever_candidates`, then its random negatives)."""
     return retriever_objective(config).count(config.rag.n_docs)
+
+
+def searched_count(config) -> int:
+    """K, the passages a training batch's search (or fixed table) finds per question: its
+    candidates before any random negatives."""
+    return retriever_objective(config).searched(config.rag.n_docs)
 
 
 def rag_metrics(loss, aux, grads) -> dict:

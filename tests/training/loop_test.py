@@ -390,12 +390,18 @@ def warm_cache(tmp_path_factory):
     [
         {"train.retriever_loss": "pdist", "train.retriever_candidates": 8},
         {"train.retriever_loss": "gold"},
+        {
+            "train.retriever_loss": "pdist",
+            "train.retriever_candidates": 6,
+            "train.retriever_random_negatives": 3,
+        },
     ],
-    ids=["pdist_k8", "gold"],
+    ids=["pdist_k8", "gold", "pdist_k6_r3"],
 )
 def test_the_retrievers_own_objective_trains_through_the_loop(tmp_path, overrides, warm_cache):
-    """K = 8 candidates for 5 read (pdist), or the gold passages (gold): the step's retriever
-    loss is logged and the question encoder moves while the passage encoder does not."""
+    """K = 8 candidates for 5 read (pdist), or the gold passages (gold), or K = 6 and 3 random
+    negatives (their batches 9 wide where the compile expects it): the step's retriever loss is
+    logged and the question encoder moves while the passage encoder does not."""
     config = tiny_config(
         **{"train.steps": 4, "train.log_every": 2, "warm_start.cache_dir": warm_cache, **overrides}
     )
