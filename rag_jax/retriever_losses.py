@@ -87,6 +87,18 @@ class RetrieverObjective:
             if not value > 0:
                 raise ValueError(f"config.train.{name} must be > 0, got {value!r}")
 
+    @classmethod
+    def from_config(cls, config) -> "RetrieverObjective":
+        """A run's objective from its `train.retriever_*` settings."""
+        t = config.train
+        return cls(
+            t.retriever_loss,
+            t.retriever_candidates,
+            t.retriever_lm_temperature,
+            t.retriever_score_temperature,
+            t.retriever_random_negatives,
+        )
+
     def searched(self, n_docs: int) -> int:
         """K, the candidates searched (or fixed) per question, for a generator reading
         `n_docs` passages."""

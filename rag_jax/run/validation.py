@@ -266,13 +266,7 @@ def _check_retriever_objective(config: ml_collections.ConfigDict) -> None:
     """`train.retriever_*`: a valid objective (`retriever_losses.RetrieverObjective` names the
     value at fault), and candidates for it to span."""
     t = config.train
-    objective = retriever_losses.RetrieverObjective(
-        t.retriever_loss,
-        t.retriever_candidates,
-        t.retriever_lm_temperature,
-        t.retriever_score_temperature,
-        t.retriever_random_negatives,
-    )
+    objective = retriever_losses.RetrieverObjective.from_config(config)
     if t.retriever_shuffle_reader and not (t.answer_memo and objective.separate(config.rag.n_docs)):
         raise ValueError(
             "config.train.retriever_shuffle_reader permutes the memoised reader likelihoods the "

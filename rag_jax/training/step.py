@@ -119,14 +119,7 @@ _PER_DOC_TOKENS = (
 
 def retriever_objective(config) -> RetrieverObjective:
     """The run's `RetrieverObjective` from its `train.retriever_*` settings."""
-    t = config.train
-    return RetrieverObjective(
-        t.retriever_loss,
-        t.retriever_candidates,
-        t.retriever_lm_temperature,
-        t.retriever_score_temperature,
-        t.retriever_random_negatives,
-    )
+    return RetrieverObjective.from_config(config)
 
 
 def candidate_count(config) -> int:
