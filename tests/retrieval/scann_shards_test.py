@@ -22,10 +22,17 @@ def _vectors(count: int, dim: int = 16, seed: int = 0) -> np.ndarray:
     return vectors
 
 
+def _exact(values: np.ndarray) -> np.ndarray:
+    """`values` on a grid of 1/64 (|v| < 8): every dot product of 16 such is a multiple of 1/4,096
+    below 2^10, exact in float32 whatever the summation order, so scores and their ties are the
+    same on every BLAS kernel and in ScaNN's."""
+    return (np.round(np.clip(values, -7.9, 7.9) * 64) / 64).astype(np.float32)
+
+
 def test_brute_force_shards_search_exactly_as_the_whole_corpus(tmp_path):
-    vectors = _vectors(1205)  # shards of 300: the last holds 5 rows, fewer than k
+    vectors = _exact(_vectors(1205))  # shards of 300: the last holds 5 rows, fewer than k
     vectors[7] = vectors[1200]  # a tie across shards: the lower id comes first
-    queries = np.random.default_rng(1).normal(size=(9, 16)).astype(np.float32)
+    queries = _exact(np.random.default_rng(1).normal(size=(9, 16)))
     queries[0] = vectors[1200]
     ix = build_sharded(vectors, tmp_path / "ix", shard_rows=300, **PROVENANCE)
     assert [s.count for s in ix.shards] == [300, 300, 300, 300, 5]
