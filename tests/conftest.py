@@ -13,6 +13,12 @@ if _FLAG not in os.environ.get("XLA_FLAGS", ""):
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The settings the scripts give themselves at start (`host.restart_with_host_settings`: huge pages
+# for large allocations, OpenBLAS's idle threads asleep), read by the worker processes pytest-xdist
+# starts after this file: the README's command runs the tests as the scripts run.
+from rag_jax.devices import host  # noqa: E402  (imports no JAX)
+
+os.environ.update(host.startup_environment())
 
 import gc  # noqa: E402
 import pathlib  # noqa: E402
