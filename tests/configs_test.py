@@ -42,6 +42,11 @@ SOURCE_KEYS = {
             "data.fields",
             "data.max_train",
             "data.max_eval",
+            # Questions files that name each question's split (COVID-QA's `split`).
+            "data.split_field",
+            "data.splits",
+            "data.train_split",
+            "data.eval_split",
             # The reader warm start on files of questions and their gold passages.
             "warm_start.reader_data",
             "warm_start.reader_questions_path",

@@ -52,6 +52,31 @@ _MISSING = object()
 
 
 @dataclasses.dataclass(frozen=True)
+class Split:
+    """Which questions of a file to read by the value of a field of each line.
+
+    Attributes:
+      field: the file's key holding each question's split (COVID-QA's `split`).
+      keep: the value whose questions are read; "" reads every question (each still checked).
+      known: every value the field may take; a line with another one is refused, naming it.
+    """
+
+    field: str
+    keep: str
+    known: tuple[str, ...]
+
+    def __post_init__(self):
+        if not self.field:
+            raise ValueError("Split.field: the key of each line's split must be named")
+        if not self.known or "" in self.known:
+            raise ValueError(f"Split.known: expected non-empty split names, got {self.known}")
+        if self.keep and self.keep not in self.known:
+            raise ValueError(
+                f"split {self.keep!r} is not one of the known splits {list(self.known)}"
+            )
+
+
+@dataclasses.dataclass(frozen=True)
 class Example:
     """One QA example.
 
@@ -73,12 +98,15 @@ class Example:
 # Files
 
 
-def read_examples(path, fields: Mapping[str, str] | None = None, **csv_options) -> list[Example]:
+def read_examples(
+    path, fields: Mapping[str, str] | None = None, split: Split | None = None, **csv_options
+) -> list[Example]:
     """Reads a `.jsonl`, `.csv` or `.tsv` QA file, any of them optionally gzipped (`.gz`).
 
     Args:
       path: the file; the format is taken from its suffix (`.tsv` is `read_csv` with tabs).
       fields: see `read_jsonl`.
+      split: see `read_jsonl`.
       **csv_options: `delimiter` / `columns` for `read_csv`.
 
     Returns:
@@ -87,17 +115,19 @@ def read_examples(path, fields: Mapping[str, str] | None = None, **csv_options) 
     suffixes = [s for s in pathlib.Path(path).suffixes if s != ".gz"]
     suffix = suffixes[-1] if suffixes else ""
     if suffix == ".jsonl" and not csv_options:
-        return read_jsonl(path, fields)
+        return read_jsonl(path, fields, split)
     if suffix in (".csv", ".tsv"):
         csv_options.setdefault("delimiter", "\t" if suffix == ".tsv" else ",")
-        return read_csv(path, fields, **csv_options)
+        return read_csv(path, fields, split, **csv_options)
     raise ValueError(
         f"{path}: unknown QA file format; expected .jsonl, .csv or .tsv (optionally .gz)"
         + (f", and csv options {sorted(csv_options)} only for .csv/.tsv" if csv_options else "")
     )
 
 
-def read_jsonl(path, fields: Mapping[str, str] | None = None) -> list[Example]:
+def read_jsonl(
+    path, fields: Mapping[str, str] | None = None, split: Split | None = None
+) -> list[Example]:
     """Reads JSON Lines, one object per line with `question`, `answers`, `id` and `gold_ids`.
 
     `question` is a non-empty string and `answers` a non-empty list of non-empty strings. `id` is
@@ -113,21 +143,25 @@ def read_jsonl(path, fields: Mapping[str, str] | None = None) -> list[Example]:
         `SQUAD_OPEN_FIELDS = {"gold_ids": "gold_passage_id"}` for the shared SQuAD questions. A
         field named here is required on every line, even `id` and `gold_ids`, so a mistyped name
         fails instead of silently dropping the field.
+      split: read only the lines of one split (`Split`); every line must name a known one.
 
     Returns:
-      The examples in file order.
+      The examples in file order (of the split asked, when one is).
     """
     names, required = _field_names(fields)
     parsed = []
     for line_no, record in json_objects(path):
         values = {ours: record.get(theirs, _MISSING) for ours, theirs in names.items()}
+        if split is not None:
+            values[_SPLIT] = record.get(split.field, _MISSING)
         parsed.append((line_no, values))
-    return _examples(path, parsed, names, required)
+    return _examples(path, _of_split(path, parsed, split), names, required)
 
 
 def read_csv(
     path,
     fields: Mapping[str, str] | None = None,
+    split: Split | None = None,
     *,
     delimiter: str = ",",
     columns: Sequence[str] | None = None,
@@ -143,6 +177,7 @@ def read_csv(
     Args:
       path: the file (`.gz` is decompressed).
       fields: see `read_jsonl`.
+      split: see `read_jsonl` (a column of the file).
       delimiter: the cell separator.
       columns: the column names of a file without a header row; DPR's QA files read as
         `read_csv(path, delimiter="\\t", columns=("question", "answers"))`.
@@ -180,11 +215,43 @@ def read_csv(
                 if ours in ("answers", "gold_ids") and cell is not _MISSING:
                     cell = _list_cell(cell, f"{path}, line {start}, field '{theirs}'")
                 values[ours] = cell
+            if split is not None:
+                values[_SPLIT] = cells.get(split.field, _MISSING)
             parsed.append((start, values))
             start = last_line + 1
     except csv.Error as e:
         raise ValueError(f"{path}, line {last_line}: {e}") from None
-    return _examples(path, parsed, names, required)
+    return _examples(path, _of_split(path, parsed, split), names, required)
+
+
+_SPLIT = "split"  # where a line's split value travels beside our fields (not an Example field)
+
+
+def _of_split(path, parsed: list, split: Split | None) -> list:
+    """The (line, values) pairs of `split.keep` (all of them for ""), each line's value checked
+    against `split.known`; an empty selection of a non-empty file names the values found."""
+    if split is None:
+        return parsed
+    kept, found = [], {}
+    for line_no, values in parsed:
+        value = values.pop(_SPLIT)
+        where = f"{path}, line {line_no}, field '{split.field}'"
+        if value is _MISSING:
+            raise ValueError(f"{where}: missing (every question names its split)")
+        if not isinstance(value, str) or value not in split.known:
+            raise ValueError(
+                f"{where}: {value!r:.80} is not a known split; expected one of {list(split.known)}"
+            )
+        found[value] = found.get(value, 0) + 1
+        if not split.keep or value == split.keep:
+            kept.append((line_no, values))
+    if parsed and not kept:
+        raise ValueError(
+            f"{path}: no questions of split {split.keep!r} (field '{split.field}'; found "
+            + ", ".join(f"{v}: {n}" for v, n in sorted(found.items()))
+            + ")"
+        )
+    return kept
 
 
 def _field_names(fields: Mapping[str, str] | None) -> tuple[dict[str, str], set[str]]:

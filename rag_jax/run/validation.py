@@ -180,10 +180,35 @@ def _check_choices(config: ml_collections.ConfigDict) -> None:
         ("train.param_sharding", config.train.param_sharding, ("replicated", "fsdp")),
         ("retrieval.index_dtype", config.retrieval.index_dtype, ("", "float32", "bfloat16")),
         ("retrieval.device_storage", config.retrieval.device_storage, ("", "int8")),
+        ("retrieval.source", config.retrieval.source, ("dense", "bm25", "hybrid")),
     ]
     for key, value, allowed in choices:
         if value not in allowed:
             raise ValueError(f"config.{key} must be one of {' | '.join(allowed)}, got {value!r}")
+
+
+def _check_splits(d: ml_collections.ConfigDict) -> None:
+    """With `data.split_field`, the splits asked are known ones, and one file read for both
+    training and evaluation is read as two different splits."""
+    if not d.split_field:
+        return
+    known = [s.strip() for s in d.splits.split(",") if s.strip()]
+    if not known:
+        raise ValueError(
+            f"config.data.split_field={d.split_field!r} needs config.data.splits, the values it "
+            "may take (comma-separated, e.g. 'train,dev,test')"
+        )
+    for key in ("train_split", "eval_split"):
+        if d[key] and d[key] not in known:
+            raise ValueError(f"config.data.{key}={d[key]!r} is not one of data.splits {known}")
+    same = (
+        d.eval_path and pathlib.Path(d.eval_path).resolve() == pathlib.Path(d.train_path).resolve()
+    )
+    if same and (not d.train_split or not d.eval_split or d.train_split == d.eval_split):
+        raise ValueError(
+            f"config.data.train_path and eval_path are one file ({d.train_path}): train_split "
+            f"({d.train_split!r}) and eval_split ({d.eval_split!r}) must be two different splits"
+        )
 
 
 def _check_paths(config: ml_collections.ConfigDict) -> None:
@@ -192,9 +217,11 @@ def _check_paths(config: ml_collections.ConfigDict) -> None:
     paths = []
     if d.source == "files":
         paths = [("data.train_path", d.train_path, True), ("data.eval_path", d.eval_path, False)]
-        if not config.retrieval.index_dir:
+        if not config.retrieval.index_dir and not pathlib.Path(d.corpus_path).is_dir():
+            # A folder is one of plain documents (retrieval.documents); else passage files.
             files = [f.strip() for f in d.corpus_path.split(",") if f.strip()] or [""]
             paths += [("data.corpus_path", f, True) for f in files]
+        _check_splits(d)
     if config.warm_start.reader_steps and config.warm_start.reader_data == "files":
         w = config.warm_start
         paths += [("warm_start.reader_questions_path", w.reader_questions_path, True)]

@@ -524,3 +524,90 @@ def test_the_next_articles_share_none_with_the_sample():
     assert sorted(names.count(a) for a in set(names)) == [4, 6]  # a whole article, then a cut one
     with pytest.raises(ValueError, match="only 36 examples lie outside"):
         articles.next_articles(examples, titles, 9, 40, seed=4)
+
+
+# ---------------------------------------------------------------------------------------------
+# Splits named in the file (COVID-QA's `split`)
+
+SPLITS = ("train", "dev", "test")
+
+
+def _split_file(tmp_path, name="qa.jsonl"):
+    return _write(
+        tmp_path,
+        name,
+        _jsonl(
+            {"question": "q1", "answers": ["a"], "id": "1", "split": "train"},
+            {"question": "q2", "answers": ["b"], "id": "2", "split": "dev"},
+            {"question": "q3", "answers": ["c"], "id": "3", "split": "train"},
+            {"question": "q4", "answers": ["d"], "id": "4", "split": "test"},
+        ),
+    )
+
+
+def test_a_split_reads_its_questions_in_file_order(tmp_path):
+    path = _split_file(tmp_path)
+    ids = lambda keep: [
+        e.id for e in data.read_examples(path, None, data.Split("split", keep, SPLITS))
+    ]  # noqa: E731,E501
+    assert ids("train") == ["1", "3"]
+    assert ids("dev") == ["2"]
+    assert ids("test") == ["4"]
+    assert ids("") == ["1", "2", "3", "4"]  # every question, each value still checked
+    assert [e.id for e in data.read_examples(path)] == ["1", "2", "3", "4"]  # no split asked
+
+
+def test_a_split_in_a_csv_column(tmp_path):
+    path = _write(
+        tmp_path, "qa.csv", 'question,answers,split\nq1,"[""a""]",dev\nq2,"[""b""]",train\n'
+    )
+    got = data.read_examples(path, None, data.Split("split", "dev", SPLITS))
+    assert [e.question for e in got] == ["q1"]
+
+
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ({"question": "q", "answers": ["a"], "id": "9"}, r"line 5, field 'split': missing"),
+        (
+            {"question": "q", "answers": ["a"], "id": "9", "split": "val"},
+            r"line 5, field 'split': 'val' is not a known split",
+        ),  # noqa: E501
+        (
+            {"question": "q", "answers": ["a"], "id": "9", "split": 3},
+            r"line 5, field 'split': 3 is not a known split",
+        ),  # noqa: E501
+    ],
+)
+def test_a_split_value_the_config_does_not_know_is_refused_by_file_line_and_field(
+    tmp_path, line, message
+):
+    path = _split_file(tmp_path)
+    path.write_text(path.read_text() + _jsonl(line))
+    with pytest.raises(ValueError, match=rf"qa.jsonl, {message}"):
+        data.read_examples(path, None, data.Split("split", "train", SPLITS))
+
+
+def test_a_split_with_no_questions_names_the_values_found(tmp_path):
+    path = _split_file(tmp_path)
+    with pytest.raises(ValueError, match=r"no questions of split 'test' .*dev: 1, train: 2"):
+        path.write_text(
+            "".join(line for line in path.read_text().splitlines(True) if "test" not in line)
+        )  # noqa: E501
+        data.read_examples(path, None, data.Split("split", "test", SPLITS))
+    with pytest.raises(ValueError, match=r"split 'valid' is not one of the known splits"):
+        data.Split("split", "valid", SPLITS)
+
+
+def test_covidqa_splits_by_article(shared_data):
+    covid = shared_data / "covidqa"
+    if not covid.is_dir():
+        pytest.skip(reason=f"COVID-QA not found at {covid}")
+    fields = {"gold_ids": "gold_passage_id"}
+    read = lambda keep: data.read_examples(
+        covid / "questions.jsonl", fields, data.Split("split", keep, SPLITS)
+    )  # noqa: E731,E501
+    train, dev = read("train"), read("dev")
+    assert (len(train), len(dev)) == (1417, 203)  # its README's counts
+    article = lambda e: e.gold_ids[0].rsplit("_", 1)[0]  # noqa: E731  <document id>_<window>
+    assert not {article(e) for e in train} & {article(e) for e in dev}
