@@ -28,6 +28,7 @@ setup(
         "scann>=1.4.2,<1.5",
         "tensorflow-datasets>=4.9.10,<5",
         "array-record>=0.5",
+        "bm25s>=0.3.16,<0.4",  # retrieval.lexical: BM25 scores (Lucene's variant), sparse index
     ],
     extras_require={
         # experiments/serve.py: the HTTP server (an ASGI app under uvicorn), its /metrics.
