@@ -88,6 +88,7 @@ class Retriever:
         search_in_step: bool = False,
         verify_corpus: bool = True,
         keep_question: bool = False,
+        source=None,
     ):
         """Args:
         index: any index over `vectors` (`search(queries [B, D], k)`).
@@ -101,6 +102,8 @@ class Retriever:
           whose corpus is unknown or another: an explicit, unchecked pairing.
         keep_question: contexts longer than S lose the passage's end, not the question
           (`PassageStore.context_tokens`).
+        source: a `sources.CandidateSource` (BM25, or BM25 fused with this index) choosing the
+          rows instead of the index alone; None: the index (`retrieval.source = "dense"`).
         """
         if len(store) != index.count or vectors.shape[0] != index.count:
             raise ValueError(
@@ -126,23 +129,41 @@ class Retriever:
         self.index, self.store, self.vectors = index, store, vectors
         self.n_docs, self.max_combined_length = n_docs, max_combined_length
         self.in_step, self.verify_corpus = search_in_step, verify_corpus
-        self.keep_question = keep_question
+        self.keep_question, self.source = keep_question, source
+        if source is not None and search_in_step:
+            raise ValueError(
+                f"a {source.kind} source searches question texts on the host; it cannot search "
+                "inside the train step (retrieval.search_in_step)"
+            )
 
-    def __call__(self, question_vectors: np.ndarray, question_pieces: list[list[int]]) -> Retrieved:
+    def __call__(
+        self, question_vectors: np.ndarray, question_pieces: list[list[int]], questions=None
+    ) -> Retrieved:
         """Retrieves for a batch on the host.
 
         Args:
           question_vectors: [B, D] float32 from the current question encoder.
           question_pieces: B id lists from `store.tokenize_questions` (the generator's question
             tokens as they follow the passage in the context).
+          questions: the B question texts; needed by a BM25 or hybrid `source`.
 
         Returns:
-          Retrieved arrays for the step.
+          Retrieved arrays for the step (index scores NaN where BM25 chose the rows).
         """
-        scores, ids = self.index.search(np.asarray(question_vectors, np.float32), self.n_docs)
-        return self.gather(ids, question_pieces, scores)
+        vectors = np.asarray(question_vectors, np.float32)
+        if self.source is None:
+            scores, ids = self.index.search(vectors, self.n_docs)
+            return self.gather(ids, question_pieces, scores)
+        if questions is None or len(questions) != len(question_pieces):
+            raise ValueError(
+                f"retrieval.source={self.source.kind!r} reads the question texts: pass one per "
+                f"question ({len(question_pieces)})"
+            )
+        dense = lambda k: self.index.search(vectors, k)[1]  # noqa: E731
+        ids = self.source.rows(dense, questions, self.n_docs, self.index.count)  # -> [B, N]
+        return self.gather(ids, question_pieces)
 
-    def retrieve(self, question_vectors: jax.Array, question_pieces, mesh) -> Retrieved:
+    def retrieve(self, question_vectors: jax.Array, question_pieces, mesh, questions=None):
         """Retrieves for this process's rows of a batch whose vectors are on the devices.
 
         A `DeviceIndex` spanning processes is searched by all of them together with the global
@@ -152,13 +173,16 @@ class Retriever:
           question_vectors: [B, D] global, batch-sharded over `mesh`.
           question_pieces: this process's rows' pieces (`store.tokenize_questions`).
           mesh: the `data` mesh the batch is sharded over.
+          questions: this process's rows' question texts (a BM25 or hybrid `source`).
         """
         index = self.index
         if isinstance(index, DeviceIndex) and not index.vectors.is_fully_addressable:
+            if self.source is not None:
+                raise ValueError("a BM25 or hybrid source needs a host index or one process")
             scores, doc_ids = index.search(question_vectors, self.n_docs)  # -> [B, N] replicated
             own = lambda x: distributed.own_rows(x, mesh)  # noqa: E731
             return self.gather(own(doc_ids), question_pieces, own(scores))
-        return self(distributed.local_rows(question_vectors), question_pieces)
+        return self(distributed.local_rows(question_vectors), question_pieces, questions)
 
     def gather(self, doc_ids, question_pieces: list[list[int]], scores=None) -> Retrieved:
         """The step's inputs for passages already chosen (e.g. by a search inside the step).
@@ -198,7 +222,9 @@ class Retriever:
             self.in_step, index.mesh, index.axis, mesh
         )
 
-    def for_step(self, next_doc_ids, vectors_fn, question_pieces, next_questions_fn, mesh):
+    def for_step(
+        self, next_doc_ids, vectors_fn, question_pieces, next_questions_fn, mesh, questions=None
+    ):
         """A training batch's passages, and the train step's retrieval argument.
 
         Args:
@@ -210,6 +236,7 @@ class Retriever:
           next_questions_fn: `() -> ` the next batch's question-encoder inputs (sharded), called
             when the step searches for the next batch.
           mesh: the step's mesh.
+          questions: this process's rows' question texts (a BM25 or hybrid `source`).
 
         Returns:
           (Retrieved for this process's rows, the step's `retrieval` argument: `(index, next
@@ -218,7 +245,7 @@ class Retriever:
         if self.searches_in_step(mesh):
             own = distributed.own_rows(next_doc_ids, mesh)  # -> [local B, N]
             return self.gather(own, question_pieces), (self.index, next_questions_fn())
-        return self.retrieve(vectors_fn(), question_pieces, mesh), None
+        return self.retrieve(vectors_fn(), question_pieces, mesh, questions), None
 
     def initial_doc_ids(self, search_fn, questions_fn, mesh):
         """The first training batch's passages when the step searches for the next batch
@@ -246,6 +273,7 @@ class Retriever:
             search_in_step=self.in_step,
             verify_corpus=self.verify_corpus,
             keep_question=self.keep_question,
+            source=self.source,
         )
         return Retriever(**(args | changes))
 
@@ -287,7 +315,7 @@ class ClosedBook:
                 f"next to {self.num_special} special and prefix tokens"
             )
 
-    def __call__(self, question_vectors: np.ndarray, question_pieces: list[list[int]]) -> Retrieved:
+    def __call__(self, question_vectors, question_pieces: list[list[int]], questions=None):
         """Contexts `[B, S]` holding only each question (its piece from `tokenize_questions`)."""
         batch, length = len(question_pieces), self.max_combined_length
         pad = self.tokenizer.pad_token_id
@@ -305,16 +333,18 @@ class ClosedBook:
             context_attention_mask=mask,
         )
 
-    def retrieve(self, question_vectors, question_pieces, mesh) -> Retrieved:
-        del question_vectors, mesh  # nothing is searched
+    def retrieve(self, question_vectors, question_pieces, mesh, questions=None) -> Retrieved:
+        del question_vectors, mesh, questions  # nothing is searched
         return self(None, question_pieces)
 
     def searches_in_step(self, mesh) -> bool:
         del mesh
         return False
 
-    def for_step(self, next_doc_ids, vectors_fn, question_pieces, next_questions_fn, mesh):
-        del next_doc_ids, vectors_fn, next_questions_fn, mesh
+    def for_step(
+        self, next_doc_ids, vectors_fn, question_pieces, next_questions_fn, mesh, questions=None
+    ):
+        del next_doc_ids, vectors_fn, next_questions_fn, mesh, questions
         return self(None, question_pieces), None
 
     def initial_doc_ids(self, search_fn, questions_fn, mesh):
@@ -515,6 +545,7 @@ def build(
     cache_dir=None,
     keep_question: bool = False,
     device_storage: str = "",
+    source=None,
 ) -> Retriever:
     """The retriever of `store` encoded by `encoder`: encode the corpus and index it.
 
@@ -532,6 +563,7 @@ def build(
       cache_dir: where encoded corpora are saved and looked for, and where an encoding stopped
         midway keeps what it encoded (`encode_store`'s `partial`); None: always encode.
       device_storage: a device index's storage (see `make_index`).
+      source: see `Retriever`.
     """
     vectors = None
     saved = saved_index_dir(cache_dir, encoder, store) if cache_dir else None
@@ -556,4 +588,5 @@ def build(
         max_combined_length=max_combined_length,
         search_in_step=search_in_step,
         keep_question=keep_question,
+        source=source,
     )

@@ -74,8 +74,26 @@ SCHEMA: dict[str, dict[str, tuple]] = {
         ),
         # TFDS.
         "tfds_name": ("", "a TFDS builder (data.source='tfds'), e.g. natural_questions_open"),
-        "train_split": ("train", "the TFDS training split"),
-        "eval_split": ("validation", "the TFDS evaluation split"),
+        "train_split": (
+            "train",
+            "the training split: TFDS's, or with data.split_field the value of train_path's "
+            "questions to train on ('' = all)",
+        ),
+        "eval_split": (
+            "validation",
+            "the evaluation split: TFDS's, or with data.split_field the value of eval_path's "
+            "questions to evaluate ('' = all)",
+        ),
+        "split_field": (
+            "",
+            "files: the key naming each question's split (COVID-QA's 'split'); '' = the files "
+            "have none and every question is read",
+        ),
+        "splits": (
+            "",
+            "files with data.split_field: the comma-separated values it may take; a question "
+            "of any other is refused, naming its file and line",
+        ),
         "tfds_data_dir": ("", "where `tfds build` wrote the data; empty: TFDS's default"),
     },
     "model": {
@@ -251,6 +269,15 @@ SCHEMA: dict[str, dict[str, tuple]] = {
     },
     "retrieval": {
         "index": ("exact", "exact | scann (host) | device (vectors sharded over the devices)"),
+        "source": (
+            "dense",
+            "where training candidates and evaluated rankings come from: dense (the index) | "
+            "bm25 (the passages' words) | hybrid (both, reciprocal rank fusion); the doc scores "
+            "are the question tower's q . d whichever chose them (retrieval.sources)",
+        ),
+        "fusion_depth": (100, "hybrid: how deep each of the two rankings is read before fusion"),
+        "bm25_k1": (0.9, "BM25's term-frequency saturation (Pyserini's default)"),
+        "bm25_b": (0.4, "BM25's length normalisation (Pyserini's default)"),
         "device_storage": (
             "",
             "the device index's rows: empty = the vectors' dtype; int8 = int8 codes and a scale "
@@ -393,6 +420,11 @@ SCHEMA: dict[str, dict[str, tuple]] = {
             "by gold recall on a slice of train)",
         ),
         "every": (0, "also every k steps (eval/* in metrics.jsonl); 0 = before/after only"),
+        "recall_ks": (
+            "1,5",
+            "the k of gold and answer recall@k (comma-separated); a k above the passages read "
+            "is measured from a deeper search wherever answers are sampled or not asked",
+        ),
         "every_max_examples": (
             0,
             "the evaluations every k steps (learning curves) read the first N held-out "

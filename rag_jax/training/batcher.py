@@ -227,7 +227,8 @@ class Batcher:
             vectors = self.embed(
                 params, fields["question_input_ids"], fields["question_attention_mask"]
             )  # -> [chunk, D], on one device: no batch to shard
-            yield part, retriever(np.asarray(vectors), pieces), pieces  # -> [chunk * K, S]
+            texts = [e.question for e in part]  # what a BM25 or hybrid source searches
+            yield part, retriever(np.asarray(vectors), pieces, texts), pieces  # -> [chunk * K, S]
 
     def fixed_candidates(self, chunk: int = 256) -> np.ndarray:
         """[len(train), K] passage rows: every training question's top K under the run's
@@ -259,10 +260,11 @@ class Batcher:
         )
         return self.embed(params, ids, mask)
 
-    def retrieve(self, params, fields, pieces, retriever) -> Retrieved:
+    def retrieve(self, params, fields, pieces, retriever, questions=None) -> Retrieved:
         """Encodes with the question encoder in `params` and retrieves for this process's rows
-        (`Retriever.retrieve`)."""
-        return retriever.retrieve(self.question_vectors(params, fields), pieces, self.mesh)
+        (`Retriever.retrieve`; `questions`, their texts, for a BM25 or hybrid source)."""
+        vectors = self.question_vectors(params, fields)
+        return retriever.retrieve(vectors, pieces, self.mesh, questions)
 
     def contexts(self, hits: Retrieved) -> tuple[np.ndarray, np.ndarray]:
         """The generator inputs [local B * N, W] of `hits`, W = `context_width` of the global
@@ -405,6 +407,7 @@ class Batcher:
                 pieces,
                 lambda: distributed.shard_batch(self.mesh, self.question_fields(step + 1)),
                 self.mesh,
+                [e.question for e in examples],
             )
         if not isinstance(retriever, ClosedBook):  # then any random negatives after them
             hits = self.with_negatives(examples, hits, pieces, retriever)

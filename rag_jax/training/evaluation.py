@@ -139,7 +139,8 @@ def evaluate(
         eta.update(int(idx[0]))
         batch_examples = [examples[i] for i in idx]
         fields, pieces = batcher.questions(batch_examples[mine])
-        hits = batcher.retrieve(params, fields, pieces, retriever)
+        texts = [e.question for e in batch_examples[mine]]
+        hits = batcher.retrieve(params, fields, pieces, retriever, texts)
         ctx, ctx_mask = batcher.contexts(hits)  # -> [local B * N, W], padded as for training
         q_ids, q_mask, vecs, ctx, ctx_mask, doc_ids = distributed.shard_batch(
             mesh,
@@ -222,6 +223,20 @@ def _memos(exp, rag_cfg, variant: str, params) -> tuple:
     generator = jax.device_get(params["generator"])
     fingerprint = memo.fingerprint(rag_cfg, generator, exp.generator_tokenizer)
     return memo_decoding.GreedyMemo(rag_cfg, fingerprint, memo_directory(exp)), generator
+
+
+def recall_ks(config) -> tuple[int, ...]:
+    """`config.eval.recall_ks` as integers, ascending and distinct."""
+    text = config.eval.recall_ks
+    try:
+        ks = sorted({int(k) for k in str(text).split(",") if k.strip()})
+    except ValueError:
+        raise ValueError(
+            f"config.eval.recall_ks={text!r}: expected integers, e.g. '1,5,20'"
+        ) from None
+    if not ks or ks[0] < 1:
+        raise ValueError(f"config.eval.recall_ks={text!r}: expected positive integers")
+    return tuple(ks)
 
 
 @functools.cache

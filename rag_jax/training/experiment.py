@@ -39,7 +39,7 @@ import numpy as np
 from rag_jax import rag
 from rag_jax.devices import sharding
 from rag_jax.models import bert
-from rag_jax.retrieval import passage_trunk
+from rag_jax.retrieval import documents, passage_trunk, sources
 from rag_jax.retrieval import retriever as retrieval
 from rag_jax.retrieval.corpus import Passage, read_corpus
 from rag_jax.retrieval.device_index import DeviceIndex
@@ -113,6 +113,9 @@ class Experiment:
             n_docs=self.rag_cfg.n_docs,
             max_combined_length=self.rag_cfg.max_combined_length,
             keep_question=config.rag.keep_question,
+            source=sources.candidate_source(
+                store, r.source, depth=r.fusion_depth, k1=r.bm25_k1, b=r.bm25_b
+            ),
         )
         common["search_in_step"] = _asks_in_step(config)
         # A device index spans every device of every process: on a pod the corpus is split over
@@ -154,7 +157,7 @@ def _asks_in_step(config) -> bool:
     stored vectors change under it (a refreshing index) or with no index (closed book)."""
     r = config.retrieval
     asked = r.index == "device" and r.search_in_step and not r.refresh_every
-    return asked and not config.rag.closed_book
+    return asked and not config.rag.closed_book and r.source == "dense"
 
 
 def _load_data(config):
@@ -173,11 +176,15 @@ def _load_data(config):
     if d.source not in ("files", "tfds"):
         raise ValueError(f"config.data.source must be synthetic, files or tfds, got {d.source!r}")
     # With a prebuilt index (`config.retrieval.index_dir`) the passages come from its store.
-    passages = None if config.retrieval.index_dir else read_corpus(d.corpus_path)
+    # A folder as data.corpus_path holds plain .txt/.md documents, cut into 100-word passages.
+    passages = None
+    if not config.retrieval.index_dir:
+        folder = bool(d.corpus_path) and pathlib.Path(d.corpus_path).is_dir()
+        passages = (documents.read_documents if folder else read_corpus)(d.corpus_path)
     if d.source == "files":
-        train = data.read_examples(d.train_path, fields)
+        train = data.read_examples(d.train_path, fields, file_split(d, d.train_split))
         if d.eval_path:
-            evals = data.read_examples(d.eval_path, fields)
+            evals = data.read_examples(d.eval_path, fields, file_split(d, d.eval_split))
         elif passages is None:
             raise ValueError("config.data.eval_path is empty: splitting by article needs passages")
         else:  # hold out whole articles of train_path: the titles of their gold passages
@@ -200,6 +207,15 @@ def _load_data(config):
     train = _first_or_sample(train, d.max_train, d, titles)
     evals = _first_or_sample(evals, d.max_eval, d, titles)
     return train, evals, passages, None
+
+
+def file_split(d, keep: str) -> data.Split | None:
+    """The `data.Split` of questions files under `config.data` `d` (None without a
+    `data.split_field`): the questions whose split is `keep` ('' = all of them)."""
+    if not d.split_field:
+        return None
+    known = tuple(s.strip() for s in d.splits.split(",") if s.strip())
+    return data.Split(d.split_field, keep, known)
 
 
 def _first_or_sample(examples: list, count: int, d, titles=None) -> list:
