@@ -153,13 +153,14 @@ def hot_swap(workdir: pathlib.Path, count: int, seed: int) -> dict:
     }
 
 
-def fill_memo(base, out: pathlib.Path) -> dict:
+def fill_memo(base, out: pathlib.Path, overrides=None) -> dict:
     """Computes, ahead of the rows, the frozen reader's answer likelihoods of every training
     question's K candidates under the initial question encoder (what the K-candidate rows read
     at their first steps, and the frozen row throughout), grouped by shared passage
-    (`AnswerMemo.fill`). Resumable: a killed fill keeps what it saved; a second run computes
+    (`AnswerMemo.fill`); `overrides` (default `PDIST`) say how the candidates are found.
+    Resumable: a killed fill keeps what it saved; a second run computes
     only what is missing. Returns (and writes to `out/memo_fill.json`) the counts and time."""
-    config = feedback_study.row_config(base, PDIST, str(out / "cache"))
+    config = feedback_study.row_config(base, overrides or PDIST, str(out / "cache"))
     start = time.perf_counter()
     # A SIGTERM during the warm starts, the encoding or the fill saves what they did (Preempted).
     preemption.install_preemption_handler()
@@ -209,8 +210,9 @@ def write_slice(config, count: int, path: pathlib.Path) -> int:
     return len({titles[e.gold_ids[0]] for e in chosen})
 
 
-def summary(out: pathlib.Path, seeds: list[int]) -> dict:
-    """Per row and column: the values of every seed, their mean and standard deviation."""
+def summary(out: pathlib.Path, seeds: list[int], columns=COLUMNS, baseline: str = BASELINE) -> dict:
+    """Per row and column: the values of every seed, their mean and standard deviation, and
+    each row's paired differences from `baseline` (`intervals`)."""
     table = {}
     for seed in seeds:
         results = json.loads((out / f"seed{seed}" / "results.json").read_text())
@@ -219,38 +221,40 @@ def summary(out: pathlib.Path, seeds: list[int]) -> dict:
             entry["seconds"].append(row["seconds"])
             if row.get("hot_swap"):
                 entry["hot_swap"].append(row["hot_swap"])
-            for k in COLUMNS:
+            for k in columns:
                 if k in row["final"]:
                     entry.setdefault(k, []).append(row["final"][k])
     for entry in table.values():
-        for k in COLUMNS:
+        for k in columns:
             if k in entry:
                 v = entry[k]
                 entry[k] = {"seeds": v, "mean": float(np.mean(v)), "std": float(np.std(v))}
-    for name, by_seed in intervals(out, seeds, list(table)).items():
-        table[name]["versus_" + BASELINE] = by_seed
+    for name, by_seed in intervals(out, seeds, list(table), columns, baseline).items():
+        table[name]["versus_" + baseline] = by_seed
     return table
 
 
-def intervals(out: pathlib.Path, seeds: list[int], names: list[str]) -> dict:
-    """Row -> seed -> column -> the paired difference from `BASELINE` of the same seed on the
+def intervals(
+    out: pathlib.Path, seeds: list[int], names: list[str], columns=COLUMNS, baseline=BASELINE
+) -> dict:
+    """Row -> seed -> column -> the paired difference from `baseline` of the same seed on the
     same questions, with its bootstrap 95% interval (`run.paired`), from the rows'
     `per_question.jsonl`; a column only one side has (the closed book's recalls) is left out."""
     out_rows = {}
     for seed in seeds:
-        base_path = out / f"seed{seed}" / BASELINE / "per_question.jsonl"
+        base_path = out / f"seed{seed}" / baseline / "per_question.jsonl"
         if not base_path.is_file():
             continue
         base = paired.read_per_question(base_path)
         for name in names:
             path = out / f"seed{seed}" / name / "per_question.jsonl"
-            if name == BASELINE or not path.is_file():
+            if name == baseline or not path.is_file():
                 continue
             row = paired.read_per_question(path)
             has = lambda records, k: any(k in r for r in records.values())  # noqa: E731
             out_rows.setdefault(name, {})[f"seed{seed}"] = {
                 k: paired.paired_difference(base, row, k, seed=seed)
-                for k in COLUMNS
+                for k in columns
                 if has(base, k) and has(row, k)
             }
     return out_rows
@@ -273,15 +277,15 @@ def keep_per_question(out: pathlib.Path, seeds: list[int], folder: pathlib.Path)
     return written
 
 
-def markdown(table: dict) -> str:
+def markdown(table: dict, columns=COLUMNS, baseline: str = BASELINE) -> str:
     """The rows' means ± spreads over seeds, then each row's paired differences from
-    `BASELINE` per seed with their 95% intervals."""
-    lines = ["| row | " + " | ".join(COLUMNS) + " | minutes / run | hot swap EM new / old |"]
-    lines.append("|---" * (len(COLUMNS) + 3) + "|")
+    `baseline` per seed with their 95% intervals."""
+    lines = ["| row | " + " | ".join(columns) + " | minutes / run | hot swap EM new / old |"]
+    lines.append("|---" * (len(columns) + 3) + "|")
     for name, entry in table.items():
         cells = [
             f"{entry[k]['mean']:.3f} ± {entry[k]['std']:.3f}" if k in entry else "-"
-            for k in COLUMNS
+            for k in columns
         ]
         swaps = entry["hot_swap"]
         swap = "-"
@@ -291,16 +295,16 @@ def markdown(table: dict) -> str:
             swap = f"{new:.3f} / {old:.3f}"
         minutes = np.mean(entry["seconds"]) / 60
         lines.append(f"| {name} | " + " | ".join(cells) + f" | {minutes:.1f} | {swap} |")
-    lines += ["", f"Paired differences from {BASELINE} (95% bootstrap intervals):", ""]
-    lines.append("| row | seed | " + " | ".join(COLUMNS) + " |")
-    lines.append("|---" * (len(COLUMNS) + 2) + "|")
+    lines += ["", f"Paired differences from {baseline} (95% bootstrap intervals):", ""]
+    lines.append("| row | seed | " + " | ".join(columns) + " |")
+    lines.append("|---" * (len(columns) + 2) + "|")
     for name, entry in table.items():
-        for seed, diffs in entry.get("versus_" + BASELINE, {}).items():
+        for seed, diffs in entry.get("versus_" + baseline, {}).items():
             cells = [
                 f"{d['difference']:+.3f} [{d['low']:+.3f}, {d['high']:+.3f}]"
                 if (d := diffs.get(k))
                 else "-"
-                for k in COLUMNS
+                for k in columns
             ]
             lines.append(f"| {name} | {seed} | " + " | ".join(cells) + " |")
     return "\n".join(lines)

@@ -1,0 +1,156 @@
+r"""A retriever that learns a new domain from its reader: any corpus, COVID-QA the example.
+
+    python experiments/domain_study.py --out /tmp/covid --seeds 0 --rows bm25,frozen,hybrid_frozen
+    python experiments/domain_study.py --out /tmp/covid --fill_memo dense --rows pdist_k16
+    python experiments/domain_study.py --out /tmp/mine --set data.corpus_path='"passages.jsonl"' \
+        --set data.train_path='"q.jsonl"' --set data.eval_path='"q.jsonl"'
+
+Every row is `experiments/configs/covidqa.py` (or `--config`, with `--set key=JSON` overrides for
+another corpus: any `passages.jsonl` + `questions.jsonl` with SQuAD-style fields and a `split`
+field, or a folder of .txt/.md documents as `data.corpus_path`) with the overrides of `ROWS`,
+the same data, models, reader warm start (cached in `<out>/cache`, shared by every row and seed)
+and step budget. The reader is frozen in every row; what changes is where the candidates come
+from (`retrieval.source`: dense, bm25, hybrid) and what trains the question tower
+(`train.retriever_*`, `rag_jax/retriever_losses.py`):
+  bm25, frozen, hybrid_frozen    nothing trains: BM25, the bolt-on MiniLM, the two fused;
+  joint                          RAG's marginal over the top 4, searched every step (the paper);
+  marginal_k16, pdist_k16        RAG's marginal / Atlas' and REPLUG's PDist over 16 candidates
+                                 searched once by the initial tower (RA-DIT's fixed top-k);
+  *_hybrid                       the same over BM25 and dense candidates fused (hybrid);
+  gold                           DPR's supervised loss (in-batch and hard negatives): the ceiling;
+  pdist_k16_shuffled             control: the reader's likelihoods shuffled among candidates.
+Rows that train nothing run one step (one stands for any number).
+
+Writes `<out>/seed<k>/<row>/per_question.jsonl` (gold recall@1/5/20, F1 and EM per dev question),
+`<out>/seed<k>/results.json`, and `<out>/summary.json` with every row's paired differences (95%
+bootstrap intervals on the same questions) from `frozen`, `bm25` and `hybrid_frozen`.
+`--keep docs/results/covidqa` copies the per-question records and summaries into the repository.
+`--fill_memo dense|hybrid` first computes the frozen reader's likelihoods of every training
+question's 16 candidates (resumable; what the K-candidate rows read).
+"""
+
+import argparse
+import json
+import os
+import pathlib
+import shutil
+
+import squad_study
+from feedback_study import run
+from rag_jax.devices import host, preemption
+from rag_jax.retrieval import files
+from rag_jax.run import settings
+
+CONFIGS = {"covidqa": squad_study._load_config("covidqa")}
+
+NOTHING = {"train.steps": 1, "train.retriever_lr_factor": 0.0}  # nothing trains
+HYBRID = {"retrieval.source": "hybrid"}
+FIXED, PDIST = squad_study.FIXED, squad_study.PDIST
+
+ROWS = {
+    "bm25": {**NOTHING, "retrieval.source": "bm25"},
+    "frozen": NOTHING,
+    "hybrid_frozen": {**NOTHING, **HYBRID},
+    "joint": {},
+    "marginal_k16": FIXED,
+    "pdist_k16": PDIST,
+    "joint_hybrid": HYBRID,
+    "marginal_k16_hybrid": {**FIXED, **HYBRID},
+    "pdist_k16_hybrid": {**PDIST, **HYBRID},
+    "gold": {"train.retriever_loss": "gold", **FIXED},
+    "pdist_k16_shuffled": {**PDIST, "train.retriever_shuffle_reader": True},
+}
+COLUMNS = ("gold_recall@1", "gold_recall@5", "gold_recall@20", "f1", "exact_match")
+BASELINES = ("frozen", "bm25", "hybrid_frozen")  # each row's paired differences are from these
+FILLS = {"dense": PDIST, "hybrid": {**PDIST, **HYBRID}}
+
+
+def summary(out: pathlib.Path, seeds: list[int]) -> dict:
+    """Per row: each column's values over seeds (mean, spread) and its paired differences, seed
+    by seed, from every baseline that ran (`squad_study.summary`)."""
+    table = squad_study.summary(out, seeds, COLUMNS, BASELINES[0])
+    for baseline in BASELINES[1:]:
+        by_row = squad_study.intervals(out, seeds, list(table), COLUMNS, baseline)
+        for name, by_seed in by_row.items():
+            table[name]["versus_" + baseline] = by_seed
+    return table
+
+
+def markdown(table: dict) -> str:
+    """`squad_study.markdown`'s tables, one block of paired differences per baseline."""
+    blocks = [squad_study.markdown(table, COLUMNS, BASELINES[0])]
+    for baseline in BASELINES[1:]:
+        text = squad_study.markdown(table, COLUMNS, baseline)
+        blocks.append(text[text.index("Paired differences") :])
+    return "\n\n".join(blocks)
+
+
+def parse_sets(items: list[str]) -> dict:
+    """`--set key=value` items (a JSON value each) as overrides."""
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"--set {item!r}: expected key=value (a JSON value)")
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--set {item!r}: the value is not JSON ({e})") from None
+    return out
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True, help="folder for the runs and results")
+    parser.add_argument("--config", default="covidqa", choices=sorted(CONFIGS))
+    parser.add_argument("--variant", default="", help="the config's variant ('docs': a folder)")
+    parser.add_argument("--seeds", default="0,1,2")
+    parser.add_argument("--rows", default=",".join(ROWS), help="comma-separated, run in order")
+    parser.add_argument("--set", action="append", default=[], help="override key=JSON value")
+    parser.add_argument("--keep", default="", help="copy per-question records and summaries here")
+    parser.add_argument("--caches", default="", help="the folder whose caches rows share")
+    parser.add_argument("--fill_memo", default="", choices=("", *FILLS), help="fill first")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    unknown = set(args.rows.split(",")) - set(ROWS)
+    if unknown:
+        parser.error(f"unknown rows {sorted(unknown)}; choose from {sorted(ROWS)}")
+    selected = {name: ROWS[name] for name in args.rows.split(",")}
+    try:  # the --set values apply to the base config: a study folder keeps one
+        sets = parse_sets(args.set)
+    except ValueError as e:
+        parser.error(str(e))
+    out = pathlib.Path(args.out).absolute()
+    caches = pathlib.Path(args.caches).absolute() if args.caches else out
+    seeds = [int(s) for s in args.seeds.split(",")]
+
+    def base_config(seed: int):
+        config = CONFIGS[args.config].get_config(args.variant)
+        config = settings.override(config, {**sets, "seed": seed})
+        config.retrieval.cache_dir = str(caches / "index_cache")  # one encoding of the corpus
+        return config
+
+    if args.fill_memo:  # the seeds share the initial model (init_seed): one fill serves them
+        try:
+            record = squad_study.fill_memo(base_config(seeds[0]), caches, FILLS[args.fill_memo])
+            print(json.dumps({"memo_fill": record}), flush=True)
+        except preemption.Preempted as stopped:
+            print(f"memo fill stopped: {stopped}; the same command resumes", flush=True)
+            return
+    for seed in seeds:
+        results = run(base_config(seed), out / f"seed{seed}", selected, cache_dir=caches / "cache")
+        if "preempted" in results:
+            print(f"seed {seed}: stopped in row {results['preempted']}; the same command resumes")
+            return
+    table = summary(out, seeds)
+    files.write_atomic(out / "summary.json", json.dumps(table, indent=1).encode())
+    if args.keep:
+        kept = squad_study.keep_per_question(out, seeds, pathlib.Path(args.keep))
+        shutil.copyfile(out / "summary.json", pathlib.Path(args.keep) / "summary.json")
+        print(f"kept {len(kept)} per-question files and the summary in {args.keep}")
+    print("\n" + markdown(table))
+
+
+if __name__ == "__main__":
+    host.restart_with_host_settings()  # read only at process start: before any work
+    main()

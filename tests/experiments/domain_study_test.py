@@ -1,0 +1,146 @@
+"""The domain study (experiments/domain_study.py): its rows, its summary against three baselines,
+and the whole study at toy size on COVID-QA's text (slow)."""
+
+import json
+import pathlib
+
+import numpy as np
+import pytest
+
+import domain_study
+from rag_jax.io import hf_llama
+from rag_jax.retrieval import documents
+from rag_jax.run import paired, settings, validation
+
+
+def test_every_row_is_a_valid_config_differing_only_in_its_overrides():
+    base = domain_study.CONFIGS["covidqa"].get_config()
+    for name, overrides in domain_study.ROWS.items():
+        config = settings.override(domain_study.CONFIGS["covidqa"].get_config(), overrides)
+        validation.validate(config, 1, paths=False)
+        changed = {
+            f"{section}.{k}"
+            for section, values in config.to_dict().items()
+            if isinstance(values, dict)
+            for k, v in values.items()
+            if base.to_dict()[section].get(k) != v
+        }
+        assert changed <= set(overrides), (name, changed - set(overrides))
+    assert set(domain_study.BASELINES) <= set(domain_study.ROWS)
+
+
+def test_the_covidqa_config_reads_its_splits(shared_data):
+    if not (shared_data / "covidqa").is_dir():
+        pytest.skip(reason=f"COVID-QA not found in {shared_data}")
+    config = domain_study.CONFIGS["covidqa"].get_config()
+    assert pathlib.Path(config.data.corpus_path).parent == shared_data / "covidqa"
+    same = settings.override(config.copy_and_resolve_references(), {"data.eval_split": "train"})
+    with pytest.raises(ValueError, match="must be two different splits"):
+        validation.validate(same, 1, paths=True)
+    unknown = settings.override(config.copy_and_resolve_references(), {"data.eval_split": "val"})
+    with pytest.raises(ValueError, match=r"eval_split='val' is not one of data.splits"):
+        validation.validate(unknown, 1, paths=True)
+
+
+def test_the_summary_pairs_each_row_with_every_baseline_of_its_seed(tmp_path):
+    rng = np.random.default_rng(0)
+    frozen = rng.random(300) < 0.4
+    bm25 = frozen | (rng.random(300) < 0.4)
+    hits = {
+        "frozen": frozen,
+        "bm25": bm25,
+        "hybrid_frozen": bm25 | (rng.random(300) < 0.1),
+        "pdist_k16_hybrid": bm25 | (rng.random(300) < 0.3),
+    }
+    results = {"rows": {}}
+    for name, row in hits.items():
+        folder = tmp_path / "seed0" / name
+        folder.mkdir(parents=True)
+        lines = [json.dumps({"id": f"q{i}", "gold_recall@5": float(h)}) for i, h in enumerate(row)]
+        (folder / "per_question.jsonl").write_text("\n".join(lines) + "\n")
+        results["rows"][name] = {"final": {"gold_recall@5": float(row.mean())}, "seconds": 1.0}
+    (tmp_path / "seed0" / "results.json").write_text(json.dumps(results))
+    table = domain_study.summary(tmp_path, [0])
+    row = table["pdist_k16_hybrid"]
+    for baseline in domain_study.BASELINES:
+        d = row["versus_" + baseline]["seed0"]["gold_recall@5"]
+        base = paired.read_per_question(tmp_path / "seed0" / baseline / "per_question.jsonl")
+        want = np.mean([r["gold_recall@5"] for r in base.values()])
+        assert d["a"] == pytest.approx(want) and d["questions"] == 300
+    assert row["versus_frozen"]["seed0"]["gold_recall@5"]["low"] > 0
+    assert "versus_bm25" not in table["bm25"]
+    text = domain_study.markdown(table)
+    for baseline in domain_study.BASELINES:
+        assert f"Paired differences from {baseline}" in text
+
+
+def _toy_domain(shared_data, folder: pathlib.Path, articles: int = 2) -> tuple:
+    """COVID-QA's first `articles` articles as a folder of .txt documents (one per article, the
+    passages' words in order), and their questions as train (the first) and dev (the rest), with
+    gold ids of the folder's passages (`<article>_<window>`: the same windows)."""
+    source = shared_data / "covidqa"
+    passages = [json.loads(line) for line in (source / "passages.jsonl").open()]
+    chosen = list(dict.fromkeys(p["id"].rsplit("_", 1)[0] for p in passages))[:articles]
+    docs = folder / "docs"
+    docs.mkdir(parents=True)
+    for article in chosen:
+        own = [p for p in passages if p["id"].rsplit("_", 1)[0] == article]
+        text, title = " ".join(p["text"] for p in own), own[0]["title"]
+        if text.startswith(title + " "):  # the title on a line of its own: the same words
+            text = title + "\n" + text[len(title) + 1 :]
+        (docs / f"{article}.txt").write_text(text + "\n", encoding="utf-8")
+    questions = [json.loads(line) for line in (source / "questions.jsonl").open()]
+    lines = []
+    for q in questions:
+        article = q["gold_passage_id"].rsplit("_", 1)[0]
+        if article in chosen:
+            split = "train" if article == chosen[0] else "dev"
+            lines.append(json.dumps(dict(q, split=split)))
+    path = folder / "questions.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    return docs, path
+
+
+@pytest.mark.slow  # SmolLM2 scores ~600 (question, passage) pairs and answers ~20 questions
+def test_the_whole_study_at_toy_size(shared_data, tmp_path):
+    """Two COVID-QA articles as a folder of plain documents: the no-training rows and PDist over
+    hybrid candidates, filled ahead, with SmolLM2 read zero-shot; every row writes per-question
+    records with gold recall@1/5/20 and F1, and the summary pairs them."""
+    if not (shared_data / "covidqa").is_dir():
+        pytest.skip(reason=f"COVID-QA not found in {shared_data}")
+    try:
+        hf_llama.smollm2_path()
+    except FileNotFoundError as e:
+        pytest.skip(reason=str(e))
+    docs, questions = _toy_domain(shared_data, tmp_path)
+    # The folder's windows are COVID-QA's passages, so its gold ids hold.
+    ids = {p.id.rsplit("/", 1)[-1] for p in documents.read_documents(docs)}
+    gold = {json.loads(line)["gold_passage_id"] for line in questions.read_text().splitlines()}
+    assert gold <= ids
+    out = tmp_path / "study"
+    sets = {
+        "data.corpus_path": str(docs),
+        "data.train_path": str(questions),
+        "data.eval_path": str(questions),
+        "warm_start.reader_steps": 0,
+        "train.steps": 4,
+        "train.warmup_steps": 1,
+        "train.save_every": 1000,
+        "eval.every": 0,
+        "retrieval.fusion_depth": 20,
+    }
+    argv = ["--out", str(out), "--seeds", "0", "--fill_memo", "hybrid"]
+    argv += ["--rows", "bm25,frozen,hybrid_frozen,pdist_k16_hybrid"]
+    argv += [f"--set={k}={json.dumps(v)}" for k, v in sets.items()]
+    domain_study.main(argv + ["--keep", str(tmp_path / "kept")])
+    fill = json.loads((out / "memo_fill.json").read_text())
+    assert fill["pairs"] == fill["questions"] * 16 and fill["computed"] > 0
+    for row in ("bm25", "frozen", "hybrid_frozen", "pdist_k16_hybrid"):
+        records = paired.read_per_question(out / "seed0" / row / "per_question.jsonl")
+        assert records and all(
+            {"gold_recall@1", "gold_recall@5", "gold_recall@20", "f1"} <= set(r)
+            for r in records.values()
+        )
+    table = json.loads((out / "summary.json").read_text())
+    assert "gold_recall@20" in table["pdist_k16_hybrid"]["versus_bm25"]["seed0"]
+    assert (tmp_path / "kept" / "seed0" / "pdist_k16_hybrid.jsonl.gz").is_file()
