@@ -56,6 +56,7 @@ def get_config(variant: str = ""):
     d.answer_length = 32
     config.eval.max_length = 32
     config.eval.answer_examples = 0  # F1/EM over every dev question
+    config.eval.recall_ks = "1,5,20"  # recall@20 from a search of 20; answers read the top 4
     config.train.steps = 360  # two epochs of 1,417 at batch 8
     config.train.warmup_steps = 30
     config.train.save_every = 60

@@ -75,7 +75,9 @@ def evaluate(
 
     With `config.eval.answer_examples` = n below the number of examples, the retrieval recalls
     are over all of them (only the question tower runs) and the answers (EM/F1, predictions)
-    over a fixed seeded sample of n (`eval.answer_seed`); the metrics then say both counts.
+    over a fixed seeded sample of n (`eval.answer_seed`); the metrics then say both counts. A k
+    of `ks` above the passages the generator reads is measured the same way: recalls from a
+    search of that depth, answers from the passages it reads.
     `generate=False` computes the retrieval recalls only. Recalls computed alone (with
     `generate=False` or an answer sample) are at every k of `ks`, retrieving more passages than
     the generator reads where a k exceeds `eval.n_docs`; those of a call that answers every
@@ -100,13 +102,23 @@ def evaluate(
     c = exp.config
     retriever = exp.retriever if retriever is None else retriever
     sample = answer_sample(c.eval.answer_examples, len(examples), c.eval.answer_seed)
-    if generate and sample is not None and not isinstance(retriever, ClosedBook):
-        common = dict(mesh=mesh, variant=variant, ks=ks, retriever=retriever)
+    read = eval_rag_config(exp.rag_cfg, c).n_docs
+    deeper = any(k > read for k in ks)  # a recall@k beyond the passages the generator reads
+    if generate and (sample is not None or deeper) and not isinstance(retriever, ClosedBook):
+        sample = np.arange(len(examples)) if sample is None else sample
+        common = dict(mesh=mesh, variant=variant, retriever=retriever)
         records = [] if per_question is not None else None
-        recall, _ = evaluate(exp, params, examples, generate=False, per_question=records, **common)
+        recall, _ = evaluate(
+            exp, params, examples, generate=False, per_question=records, ks=ks, **common
+        )
         qa_records = [] if per_question is not None else None
         answered, predictions = evaluate(
-            exp, params, [examples[i] for i in sample], per_question=qa_records, **common
+            exp,
+            params,
+            [examples[i] for i in sample],
+            per_question=qa_records,
+            ks=[k for k in ks if k <= read],
+            **common,
         )
         if per_question is not None:  # the sample's answers joined to every question's recalls
             for i, record in zip(sample, qa_records):

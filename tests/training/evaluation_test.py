@@ -73,6 +73,31 @@ def test_recalls_alone_reach_beyond_the_passages_the_generator_reads(exp):
     assert shallow["gold_recall@1"] <= shallow["gold_recall@2"] <= shallow["gold_recall@5"]
 
 
+def test_an_answering_evaluation_reports_recalls_beyond_the_passages_it_reads(exp):
+    """ks above eval.n_docs with answers: the recalls of the deeper search, the answers and
+    the recalls within n_docs of the passages the generator reads, per question too."""
+    mesh = sharding.data_mesh(jax.devices()[:1])
+    examples = exp.eval[:8]
+    exp.config.eval.n_docs = 2
+    try:
+        common = dict(mesh=mesh, variant="sequence", ks=(1, 2, 5))
+        records = []
+        both, predictions = evaluation.evaluate(
+            exp, exp.params, examples, per_question=records, **common
+        )
+        recalls, _ = evaluation.evaluate(exp, exp.params, examples, generate=False, **common)
+        answers, _ = evaluation.evaluate(
+            exp, exp.params, examples, mesh=mesh, variant="sequence", ks=(1, 2)
+        )
+    finally:
+        exp.config.eval.n_docs = 0
+    assert {k: both[k] for k in recalls} == recalls
+    assert (both["exact_match"], both["f1"]) == (answers["exact_match"], answers["f1"])
+    assert [len(p["retrieved"]) for p in predictions] == [2] * len(examples)
+    assert [r["id"] for r in records] == [e.id for e in examples]
+    assert all({"gold_recall@5", "exact_match", "f1"} <= set(r) for r in records)
+
+
 def test_eval_n_docs_defaults_to_the_training_k(exp):
     cfg = evaluation.eval_rag_config(exp.rag_cfg, exp.config)
     assert cfg.n_docs == exp.config.rag.n_docs == 5
