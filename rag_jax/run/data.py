@@ -66,14 +66,10 @@ class Split:
     known: tuple[str, ...]
 
     def __post_init__(self):
-        if not self.field:
-            raise ValueError("Split.field: the key of each line's split must be named")
-        if not self.known or "" in self.known:
-            raise ValueError(f"Split.known: expected non-empty split names, got {self.known}")
+        if not self.field or not self.known or "" in self.known:
+            raise ValueError(f"Split: a field and non-empty split names, got {self}")
         if self.keep and self.keep not in self.known:
-            raise ValueError(
-                f"split {self.keep!r} is not one of the known splits {list(self.known)}"
-            )
+            raise ValueError(f"split {self.keep!r} is not one of the known splits {self.known}")
 
 
 @dataclasses.dataclass(frozen=True)
