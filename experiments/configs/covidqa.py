@@ -62,6 +62,10 @@ def get_config(variant: str = ""):
     config.train.save_every = 60
     config.eval.every = 60
     config.train.retriever_lr_factor = 0.05  # 5e-6
+    # The question tower trains with MiniLM's own dropout (0.1), so seeds differ in dropout and
+    # batch order (the towers start from MiniLM: nothing is drawn at initialisation). The frozen
+    # reader has no dropout: its warm start and memos are the same.
+    config.model.deterministic = False
     if variant == "docs":
         d.corpus_path = ""  # a folder of .txt/.md documents: --config.data.corpus_path=DIR
         d.train_path = d.eval_path = ""  # --config.data.train_path=Q.jsonl (and eval_path)

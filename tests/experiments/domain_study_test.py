@@ -128,6 +128,7 @@ def test_the_whole_study_at_toy_size(shared_data, tmp_path):
         "train.save_every": 1000,
         "eval.every": 0,
         "retrieval.fusion_depth": 20,
+        "train.num_devices": 1,  # not the tests' 8 fake devices: one SmolLM2 copy, not eight
     }
     argv = ["--out", str(out), "--seeds", "0", "--fill_memo", "hybrid"]
     argv += ["--rows", "bm25,frozen,hybrid_frozen,pdist_k16_hybrid"]
