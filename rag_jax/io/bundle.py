@@ -297,8 +297,9 @@ class Bundle(answers.Answering):
         Raises:
           ValueError: naming the record or id at fault (nothing is written then).
           bundle_format.DamagedBundleError: a file of the bundle (the model's, the passages',
-            the index's) is missing or differs from the manifest, or the passages read differ
-            from its corpus checksum: the folder was damaged (nothing is written then).
+            the index's) is missing or differs from the manifest, the passages read differ
+            from its corpus checksum, or a passage or vector file changed while the edit
+            copied it: the folder was damaged (nothing is written then).
           OSError: the new folder could not be written (e.g. a full disk, saying so); the
             previous bundle is intact.
         """
@@ -350,7 +351,12 @@ class Bundle(answers.Answering):
             new_vectors = np.zeros((0, old_vectors.shape[1]), old_vectors.dtype)
             if passages:
                 new_vectors = encoder.encode(passages).astype(old_vectors.dtype, copy=False)
-            vectors = store_edit.EditedVectors(edit, old_vectors, new_vectors)
+            # Copied from the live (memory-mapped) files: the store's and the vectors' bytes are
+            # hashed as the copy reads them and compared with the records checked above, before
+            # anything is sealed (`store_edit`): damage done since the check is never sealed.
+            rel = bundle_format.VECTORS
+            sealed = (old_dir / rel, knowledge.manifest["files"][rel]["sha256"])
+            vectors = store_edit.EditedVectors(edit, old_vectors, new_vectors, sealed)
             manifest = dict(knowledge.manifest, count=edit.new_count)
             manifest.pop("scann_base", None)
             written = {}
@@ -391,7 +397,12 @@ class Bundle(answers.Answering):
             # passages and index); those a minute old go (younger: maybe a write in progress).
             bundle_format.remove_stale(old_dir)
             # The manifest as written, its files' records those the next edit checks against.
-            manifest = files.swap_dir(old_dir, write_fn, manifest, what="bundle")
+            try:
+                manifest = files.swap_dir(old_dir, write_fn, manifest, what="bundle")
+            except store_edit.SourceChangedError as e:  # the previous bundle is left in place
+                raise bundle_format.DamagedBundleError(
+                    f"{e}; restore the bundle from a good copy"
+                ) from None
             vectors = ExactIndex.load(str(old_dir / "index"), verify=False, mmap=True).vectors
             retriever = bundle_format.open_retriever(
                 old_dir, manifest, self.settings, self.rag_cfg, vectors, scann=written["scann"]

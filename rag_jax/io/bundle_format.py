@@ -26,8 +26,10 @@ or corrupted file (naming it), parameters holding NaN or inf, a manifest edited 
 sealed, and a manifest whose encoder fingerprint or corpus checksum disagrees with the
 parameters, the store or the index. An edit first checks every file of the folder against the
 manifest (`check_bundle`), then links the model's files into its new folder and carries their
-checked records into the new manifest (`link_model`), never hashing them again: a damaged bundle
-is never sealed again, not even by damage done while the edit writes.
+checked records into the new manifest (`link_model`), never hashing them again; the passages and
+vectors it copies are hashed as the copy reads them and compared with their records before
+anything is sealed (`retrieval.store_edit`). A damaged bundle is never sealed again, not even by
+damage done while the edit writes.
 
 Legend: C corpus size, D vector width.
 """
@@ -60,6 +62,7 @@ VERSION = 1
 TOWERS = ("question_encoder", "generator", "passage_encoder")
 PARAMS = {tower: f"params/{tower}.safetensors" for tower in TOWERS}
 TOKENIZERS = {"question": "tokenizers/question", "generator": "tokenizers/generator"}
+VECTORS = "index/vectors.bin"  # the exact index's rows (`retrieval.index_format`)
 # Parts every bundle holds (the tokenizer folders are checked by loading them).
 _REQUIRED = ("config.json", *PARAMS.values(), "passages/manifest.json", "index/manifest.json")
 # The model's parts: never changed by an edit, which links them into its new folder.

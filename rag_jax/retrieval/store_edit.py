@@ -12,12 +12,22 @@ canonical stream assembled by numpy (`store_checksum`), and `IdLookup` finds the
 ids by vectorised 64-bit digests of the id column. The result is byte-for-byte the store
 `PassageStore.build` writes from the same records; the edit's cost is linear in the store's
 bytes, at memory speed, and its memory is bounded by a block (never the corpus).
+
+What is copied is what was sealed. The old files are memory-mapped, so a check made before the
+edit says nothing of the bytes the copy reads later. The copy therefore reads each old file
+whole and in file order (the runs it copies and the rows the edit replaces or deletes), into
+memory block by block, hashes every block as read and writes the very blocks it hashed; the
+digest is compared with the old manifest's sha256 before anything new is sealed, and a
+difference (`SourceChangedError`) names the file and keeps nothing of the edit. The store's
+offsets are read once, checked, and that one copy cuts the runs; the vectors (`EditedVectors`)
+are checked inside the index's write, before its manifest.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
+import math
 import pathlib
 from collections.abc import Iterator, Sequence
 
@@ -40,6 +50,11 @@ from rag_jax.retrieval.store import (
 _BLOCK_BYTES = 1 << 20  # canonical bytes assembled per block (8x that in gather indices): in cache
 _DIGEST_BASE = np.uint64(0x100000001B3)  # FNV's 64-bit prime, as a polynomial hash's base
 _LAYOUT = ("tokenizer", "prefix", "title_sep", "doc_sep", "suffix", "pad_id")
+
+
+class SourceChangedError(ValueError):
+    """A file an edit copies from was not, as the edit read it, the file its manifest seals: it
+    changed after any check made before the edit. Nothing of the edit is kept."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,25 +148,97 @@ class EditedVectors:
     """The [C', D] vectors after a `RowEdit` of `old` with `new` [items, D], written in blocks
     (`blocks`) rather than held: what `bundle_format.write_index` writes to index/."""
 
-    def __init__(self, edit: RowEdit, old: np.ndarray, new: np.ndarray):
+    def __init__(
+        self,
+        edit: RowEdit,
+        old: np.ndarray,
+        new: np.ndarray,
+        sealed: tuple[pathlib.Path, str] | None = None,
+    ):
+        """Args:
+        edit: the rows replaced, deleted and appended.
+        old: [C, D] the vectors before the edit (may be memory-mapped).
+        new: [items, D] the edit's new vectors (`RowEdit` order).
+        sealed: (the file `old` holds the rows of, its sha256 as its manifest seals it): the
+          rows read are checked against it (`blocks`). None: nothing to check them against.
+        """
         if len(old) != edit.count or len(new) != edit.items:
             raise ValueError(
                 f"vectors: {len(old)} old and {len(new)} new rows for an edit of {edit.count} "
                 f"rows with {edit.items} new items"
             )
-        self.edit, self.old = edit, old
+        self.edit, self.old, self.sealed = edit, old, sealed
         self.new = np.asarray(new).astype(old.dtype, copy=False).reshape(-1, old.shape[1])
         self.shape = (edit.new_count, old.shape[1])
         self.dtype = old.dtype
 
     def blocks(self) -> Iterator[np.ndarray]:
-        return self.edit.blocks(self.old, self.new)
+        """The new table's rows in blocks, in order. The old rows are read whole and in order
+        (those the edit replaces or deletes too), each block copied into memory and hashed as
+        read; the blocks given are those copies. After the last block the digest is compared
+        with `sealed`'s sha256: inside the index's write (`save`), before its manifest.
+
+        Raises:
+          SourceChangedError: the rows read are not the sealed file's, naming it.
+        """
+        sha = hashlib.sha256()
+        read = 0  # old rows read so far
+        for kind, a, b in self.edit.pieces():
+            if kind == "new":
+                yield from _blocks(self.new, a, b)
+                continue
+            for _ in _read_hashed(self.old, read, a, sha):  # replaced or deleted: not copied
+                pass
+            yield from _read_hashed(self.old, a, b, sha)
+            read = b
+        for _ in _read_hashed(self.old, read, len(self.old), sha):
+            pass
+        if self.sealed is not None:
+            _check_read(self.sealed[0], sha, self.sealed[1])
 
     def save(self, directory, provenance: dict) -> np.ndarray:
         """Writes them as an exact index folder (`ExactIndex.load` reads it) with `provenance`
-        (encoder fingerprint, corpus checksum); returns them memory-mapped from there."""
+        (encoder fingerprint, corpus checksum); returns them memory-mapped from there.
+
+        Raises:
+          SourceChangedError: see `blocks` (the folder is not written then).
+        """
         save_vector_blocks(directory, self.blocks(), self.shape, self.dtype, provenance)
         return ExactIndex.load(str(directory), verify=False, mmap=True).vectors
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading what was sealed
+
+
+def _blocks(array: np.ndarray, start: int, stop: int) -> Iterator[np.ndarray]:
+    """Rows [start, stop) of `array` in blocks of at most `files.IO_BLOCK` bytes."""
+    row_bytes = array.dtype.itemsize * math.prod(array.shape[1:])
+    step = max(1, files.IO_BLOCK // max(1, row_bytes))
+    for at in range(start, stop, step):
+        yield array[at : min(stop, at + step)]
+
+
+def _read_hashed(array: np.ndarray, start: int, stop: int, sha) -> Iterator[np.ndarray]:
+    """Rows [start, stop) of `array` (memory-mapped) read into memory in blocks, little-endian
+    as stored, each hashed into `sha` as read: a block written is a block hashed, whatever
+    happens to the file after it was read."""
+    little = array.dtype.newbyteorder("<")
+    for view in _blocks(array, start, stop):
+        block = np.array(view, dtype=little)  # a copy, in memory
+        sha.update(block.reshape(-1).view(np.uint8))
+        yield block
+
+
+def _check_read(path: pathlib.Path, sha, sealed: str | None) -> None:
+    """Raises `SourceChangedError` naming `path` when the bytes read of it (hashed into `sha`)
+    are not those its manifest seals (`sealed`; None for a store written before sha256s were
+    recorded, which is checked by its sizes and offsets only)."""
+    if sealed is not None and sha.hexdigest() != sealed:
+        raise SourceChangedError(
+            f"{path} changed while it was read for the edit: sha256 {sha.hexdigest()} != the "
+            f"manifest's {sealed}; the edit was not written"
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -266,35 +353,59 @@ def _write_column(
     old: tuple[np.ndarray, np.ndarray],
     new: list[bytes],
     edit: RowEdit,
+    source: pathlib.Path,
+    sealed: dict,
 ) -> dict:
     """Writes `<name>.bin` and `<name>.offsets.bin` of the edited column; returns their records
-    (as `_ColumnWriter.close`)."""
+    (as `_ColumnWriter.close`).
+
+    `old` (data, offsets) is memory-mapped from the store folder `source`, whose manifest's
+    file records are `sealed`. The offsets are read once, hashed and checked before they are
+    used; that copy cuts the runs and gives the lengths. The data are read whole and in file
+    order (the runs copied and the rows replaced or deleted), hashed as read, each run written
+    from the blocks hashed, and checked once read.
+
+    Raises:
+      SourceChangedError: an old file read is not the sealed one, naming it.
+    """
     data, offsets = old
+    names = [f"{name}.bin", f"{name}.offsets.bin"]
+    read = [hashlib.sha256(), hashlib.sha256()]  # of the old files, as read
+    offsets = np.concatenate(list(_read_hashed(offsets, 0, len(offsets), read[1])))
+    _check_read(source / names[1], read[1], sealed[names[1]].get("sha256"))
     itemsize = np.dtype(dtype).itemsize
     new_lengths = np.asarray([len(b) // itemsize for b in new], np.int64)
-    lengths = edit.apply(np.diff(np.asarray(offsets)), new_lengths)
-    hashes = [hashlib.sha256(), hashlib.sha256()]
-    with open(directory / f"{name}.bin", "xb") as f:
+    lengths = edit.apply(np.diff(offsets), new_lengths)
+    hashes = [hashlib.sha256(), hashlib.sha256()]  # of the new files, as written
+    at = 0  # old items read so far
+    with open(directory / names[0], "xb") as f:
         for kind, a, b in edit.pieces():
-            if kind == "old":
-                chunk = memoryview(np.ascontiguousarray(data[offsets[a] : offsets[b]])).cast("B")
-                f.write(chunk)
-                hashes[0].update(chunk)
-            else:
+            if kind == "new":
                 for item in new[a:b]:
                     f.write(item)
                     hashes[0].update(item)
+                continue
+            start, stop = int(offsets[a]), int(offsets[b])
+            for _ in _read_hashed(data, at, start, read[0]):  # replaced or deleted rows
+                pass
+            for block in _read_hashed(data, start, stop, read[0]):
+                files.write_bytes(f, block)
+                hashes[0].update(block.view(np.uint8))
+            at = stop
+        for _ in _read_hashed(data, at, len(data), read[0]):
+            pass
+    _check_read(source / names[0], read[0], sealed[names[0]].get("sha256"))
     new_offsets = np.concatenate([[0], np.cumsum(lengths)]).astype("<i8").tobytes()
-    with open(directory / f"{name}.offsets.bin", "xb") as f:
+    with open(directory / names[1], "xb") as f:
         f.write(new_offsets)
     hashes[1].update(new_offsets)
     return {
-        f"{name}.bin": {
+        names[0]: {
             "dtype": np.dtype(dtype).str,
             "length": int(lengths.sum()),
             "sha256": hashes[0].hexdigest(),
         },
-        f"{name}.offsets.bin": {
+        names[1]: {
             "dtype": "<i8",
             "length": edit.new_count + 1,
             "sha256": hashes[1].hexdigest(),
@@ -318,6 +429,9 @@ def edit_store(
     Raises:
       ValueError: the tokenizer is not the store's, `passages` do not match the edit, or
         `out_dir` is not empty (nothing is written then).
+      SourceChangedError (a ValueError): a file of `store` read for the copy is not the one its
+        manifest seals (it changed after the store was opened or checked), naming it; the
+        partial files are removed.
       OSError: `errno.ENOSPC` saying the disk is full (nothing is left in `out_dir`).
     """
     if store.differences(store.checksum, tokenizer):
@@ -340,6 +454,7 @@ def edit_store(
         "titles": [p.title.encode("utf-8") for p in passages],
         "texts": [p.text.encode("utf-8") for p in passages],
     }
+    sealed = store.manifest["files"]  # the records `PassageStore.open` checked
     old = {
         "tokens": (store._tokens, store._token_offsets),
         **dict(zip(("ids", "titles", "texts"), _columns(store), strict=True)),
@@ -347,7 +462,9 @@ def edit_store(
     try:
         records = {}
         for name, dtype in _COLUMNS:
-            records |= _write_column(out_dir, name, dtype, old[name], new_items[name], edit)
+            records |= _write_column(
+                out_dir, name, dtype, old[name], new_items[name], edit, store.directory, sealed
+            )
         written = PassageStore._map_all(out_dir, records)
         manifest = {
             "format": FORMAT,

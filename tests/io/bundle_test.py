@@ -363,6 +363,42 @@ def test_passages_changed_after_the_edits_check_are_refused(copy, monkeypatch):
     assert sorted(os.listdir(copy.parent)) == ["bundle"]
 
 
+@pytest.mark.parametrize("rel", ["passages/texts.bin", "index/vectors.bin"])
+def test_passages_or_vectors_changed_while_an_edit_copies_them_are_never_sealed(
+    copy, rel, monkeypatch
+):
+    """A byte of the live (memory-mapped) store or vectors flipped after the edit's checks,
+    before its copy (here: as the model's files are linked into the new folder), was copied,
+    hashed afresh and sealed; a verified load accepted it. The copy hashes every byte it reads
+    and compares with the checked records: the edit is refused naming the file, nothing is
+    sealed, and the bundle stays the previous one."""
+    model = bundle.load(copy)
+    model.edit(upserts=[Passage("first", "t", "a first text .")])  # vectors memory-mapped now
+    link_model, flipped = bundle_format.link_model, []
+
+    def linked_then_damaged(source, target, records):
+        linked = link_model(source, target, records)
+        if not flipped:  # a ScaNN bundle links its searcher's files too
+            live = np.memmap(pathlib.Path(source) / rel, np.uint8, mode="r+")  # in place
+            live[len(live) // 2] ^= 1
+            live.flush()
+            flipped.append(rel)
+        return linked
+
+    monkeypatch.setattr(bundle_format, "link_model", linked_then_damaged)
+    manifest = (copy / files.MANIFEST).read_bytes()
+    with pytest.raises(
+        bundle_format.DamagedBundleError, match=rf"{rel} changed while it was read for the edit"
+    ):
+        model.edit(upserts=[Passage("new", "t", "a new text .")])
+    monkeypatch.undo()
+    assert flipped and (copy / files.MANIFEST).read_bytes() == manifest
+    assert sorted(os.listdir(copy.parent)) == ["bundle"]
+    assert model.store.text(len(model.store) - 1) == "a first text ."
+    with pytest.raises(ValueError, match=rf"{rel} is corrupted"):
+        bundle.load(copy)
+
+
 def test_parameters_holding_nan_or_inf_are_refused_at_load(copy):
     """A bundle whose parameters hold NaN would load, turn healthy and answer only errors."""
     from safetensors.numpy import load_file, save_file

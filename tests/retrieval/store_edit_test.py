@@ -2,6 +2,7 @@
 the edited records writes; checksums and id lookups equal their one-record-at-a-time reference."""
 
 import copy
+import json
 import mmap
 import random
 
@@ -11,7 +12,7 @@ import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
-from rag_jax.retrieval import corpus, store_edit
+from rag_jax.retrieval import corpus, files, store_edit
 from rag_jax.retrieval.corpus import Passage
 from rag_jax.retrieval.index import ExactIndex
 from rag_jax.retrieval.store import PassageStore
@@ -161,3 +162,128 @@ def test_edited_vectors_are_written_in_blocks_as_the_whole_edit(tmp_path, dtype)
     assert np.array_equal(loaded.vectors, want)
     with pytest.raises(ValueError, match=r"3 new rows for an edit of 1000 rows with 8 new items"):
         EditedVectors(edit, old, new[:3])
+
+
+# ---------------------------------------------------------------------------------------------
+# Damage done after the store or index was checked, before the edit copies it
+
+
+def _flip(path, at: int) -> None:
+    """Flips the lowest bit of byte `at` of `path` in place, through a writable memory map of
+    the file: the store's or index's read-only maps see it, as a byte flipped on disk."""
+    live = np.memmap(path, np.uint8, mode="r+")
+    live[at] ^= 1
+    live.flush()
+    del live
+
+
+# Rows of the damage tests' edit: 10 and 50 replaced, 20, 21 and 90 deleted, 2 appended; row 30
+# lies in a run that is copied.
+DAMAGE_EDIT = {"replaced": [10, 50], "deleted": [20, 21, 90], "appended": 2}
+DAMAGED_ROW = {"copied": 30, "replaced": 10, "deleted": 21}
+
+
+def _plain_records(count: int, prefix: str = "p") -> list[Passage]:
+    """Every field of every record at least two bytes (and two tokens) long."""
+    return [Passage(f"{prefix}{i}", f"title {i}", f"text of passage {i} .") for i in range(count)]
+
+
+@pytest.mark.parametrize("where", sorted(DAMAGED_ROW))
+@pytest.mark.parametrize(
+    "name",
+    [f"{c}{end}" for c in ("tokens", "ids", "titles", "texts") for end in (".bin", ".offsets.bin")],
+)
+def test_a_store_file_changed_after_its_check_is_refused_naming_it(
+    tmp_path, tokenizer, monkeypatch, name, where
+):
+    """A byte of the memory-mapped store flipped after it was opened and checked (verify=True),
+    in a run the edit copies or in a row it replaces or deletes (never copied): the copy hashes
+    every byte of the old files as it reads them, and refuses before any manifest is written.
+    Small blocks: the damage lies in a block of its own, past blocks already written."""
+    monkeypatch.setattr(files, "IO_BLOCK", 64)
+    records = _plain_records(100)
+    store = PassageStore.open(PassageStore.build(records, tokenizer, tmp_path / "old").directory)
+    edit = RowEdit.of(len(records), **DAMAGE_EDIT)
+    new = _plain_records(edit.items, prefix="new")
+    row = DAMAGED_ROW[where]
+    if name.endswith(".offsets.bin"):  # the row's start offset (for "deleted": between two)
+        at = 8 * row
+    else:  # the row's first byte (a token's lowest byte)
+        columns = {"tokens.bin": store._token_offsets, "ids.bin": store.ids._offsets}
+        columns |= {"titles.bin": store._titles._offsets, "texts.bin": store._texts._offsets}
+        at = int(columns[name][row]) * (4 if name == "tokens.bin" else 1)
+    _flip(tmp_path / "old" / name, at)
+    out = tmp_path / "edited"
+    with pytest.raises(
+        store_edit.SourceChangedError,
+        match=rf"{tmp_path / 'old' / name} changed while it was read for the edit: sha256 "
+        rf"[0-9a-f]{{64}} != the manifest's {store.manifest['files'][name]['sha256']}",
+    ):
+        store_edit.edit_store(store, out, tokenizer, edit, new)
+    assert list(out.iterdir()) == []  # no manifest, no partial file
+
+
+def test_an_edit_in_small_blocks_writes_the_store_a_build_writes(tmp_path, tokenizer, monkeypatch):
+    """Runs and skipped rows read in blocks of a few bytes (split inside rows): byte for byte the
+    build of the edited records, as in one block."""
+    monkeypatch.setattr(files, "IO_BLOCK", 7)
+    records = _records(120, seed=5)
+    store = PassageStore.build(records, tokenizer, tmp_path / "old", batch_size=32)
+    edit = RowEdit.of(len(records), **DAMAGE_EDIT)
+    new = _records(edit.items, seed=6, prefix="new")
+    edited = store_edit.edit_store(store, tmp_path / "edited", tokenizer, edit, new)
+    built = PassageStore.build(_reference(records, edit, new), tokenizer, tmp_path / "built")
+    assert edited.manifest["files"] == built.manifest["files"]
+    for name in built.manifest["files"]:
+        assert (tmp_path / "edited" / name).read_bytes() == (tmp_path / "built" / name).read_bytes()
+    assert PassageStore.open(tmp_path / "edited").checksum == built.checksum
+
+
+def _saved_index(tmp_path, dtype):
+    """(the vectors memory-mapped from a saved exact index, its vectors.bin, its sealed sha256)."""
+    rng = np.random.default_rng(1)
+    ExactIndex(rng.normal(size=(100, 8)).astype(dtype)).save(str(tmp_path / "old"))
+    index = ExactIndex.load(str(tmp_path / "old"), mmap=True)
+    manifest = json.loads((tmp_path / "old" / "manifest.json").read_text())
+    path = tmp_path / "old" / "vectors.bin"
+    return index.vectors, path, manifest["files"]["vectors.bin"]["sha256"]
+
+
+@pytest.mark.parametrize("where", sorted(DAMAGED_ROW))
+@pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16])
+def test_vectors_changed_after_their_check_are_refused_naming_the_file(
+    tmp_path, monkeypatch, dtype, where
+):
+    """A byte of the memory-mapped vectors flipped after they were loaded and checked, in a
+    copied row or in one the edit replaces or deletes: the rows are hashed as read and the
+    index's write is refused before its manifest; no folder is left."""
+    monkeypatch.setattr(files, "IO_BLOCK", 64)  # two rows a block
+    old, path, sha = _saved_index(tmp_path, dtype)
+    edit = RowEdit.of(len(old), **DAMAGE_EDIT)
+    new = np.ones((edit.items, 8), np.float32)
+    vectors = EditedVectors(edit, old, new, sealed=(path, sha))
+    _flip(path, DAMAGED_ROW[where] * old[0].nbytes + 1)
+    provenance = {"encoder_fingerprint": "e", "corpus_checksum": "c"}
+    with pytest.raises(
+        store_edit.SourceChangedError,
+        match=rf"{path} changed while it was read for the edit: sha256 [0-9a-f]{{64}} != the "
+        rf"manifest's {sha}",
+    ):
+        vectors.save(tmp_path / "new", provenance)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["old"]
+
+
+def test_vectors_read_whole_and_hashed_write_the_whole_edit(tmp_path, monkeypatch):
+    """Undamaged, in blocks of a few rows (skipped rows among them): the index holds the edit's
+    rows, and its vectors.bin is the bytes `ExactIndex.save` writes of them."""
+    monkeypatch.setattr(files, "IO_BLOCK", 100)  # three rows a block
+    old, path, sha = _saved_index(tmp_path, np.float32)
+    edit = RowEdit.of(len(old), **DAMAGE_EDIT)
+    new = np.ones((edit.items, 8), np.float32)
+    vectors = EditedVectors(edit, old, new, sealed=(path, sha))
+    saved = vectors.save(tmp_path / "new", {"encoder_fingerprint": "e", "corpus_checksum": "c"})
+    want = edit.apply(np.asarray(old), new)
+    assert np.array_equal(saved, want)
+    ExactIndex(want).save(str(tmp_path / "reference"))
+    written = (tmp_path / "new" / "vectors.bin").read_bytes()
+    assert written == (tmp_path / "reference" / "vectors.bin").read_bytes()
