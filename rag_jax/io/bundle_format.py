@@ -27,9 +27,8 @@ sealed, and a manifest whose encoder fingerprint or corpus checksum disagrees wi
 parameters, the store or the index. An edit first checks every file of the folder against the
 manifest (`check_bundle`), then links the model's files into its new folder and carries their
 checked records into the new manifest (`link_model`), never hashing them again; the passages and
-vectors it copies are hashed as the copy reads them and compared with their records before
-anything is sealed (`retrieval.store_edit`). A damaged bundle is never sealed again, not even by
-damage done while the edit writes.
+vectors it copies are hashed as read and checked against their records before anything is sealed
+(`retrieval.store_edit`): damage, even done while the edit writes, is never sealed.
 
 Legend: C corpus size, D vector width.
 """
