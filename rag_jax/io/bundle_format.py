@@ -66,8 +66,7 @@ VECTORS = "index/vectors.bin"  # the exact index's rows (`retrieval.index_format
 _REQUIRED = ("config.json", *PARAMS.values(), "passages/manifest.json", "index/manifest.json")
 # The model's parts: never changed by an edit, which links them into its new folder.
 MODEL_PARTS = ("config.json", "params", "tokenizers")
-# The edits over a ScaNN searcher (`LiveRowIndex`), beside scann/ (see `Bundle.edit`).
-SCANN_EDITS = "scann_edits.npz"
+SCANN_EDITS = "scann_edits.npz"  # edits over a ScaNN searcher (`LiveRowIndex`, `Bundle.edit`)
 
 
 class DamagedBundleError(RuntimeError):
