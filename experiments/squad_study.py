@@ -79,7 +79,9 @@ ROWS = {
     "marginal_k16": FIXED,
     "pdist_k16": PDIST,
     "emdr2_k16": {"train.retriever_loss": "emdr2", **FIXED},
-    "loop_k16": {"train.retriever_loss": "loop", **FIXED},
+    # The recorded loop_k16 rows ran the retriever-weighted leave-one-out (now loop_weighted;
+    # `loop` is Atlas' form since); the row keeps running what it ran.
+    "loop_k16": {"train.retriever_loss": "loop_weighted", **FIXED},
     # pdist with its candidates searched again every step, as RAG's own rows search.
     "pdist_k16_searched": {**PDIST, "train.retriever_fixed_candidates": False},
     # The passage side: MiniLM's top layer (of 6) trains too, on the states of the 5 below it,

@@ -337,8 +337,12 @@ SCHEMA: dict[str, dict[str, tuple]] = {
         "retriever_loss": (
             "marginal",
             "what trains the question encoder (rag_jax.retriever_losses): marginal (RAG's own "
-            "loss) | emdr2 | pdist (Atlas' PDist, REPLUG's LSR) | loop (Atlas' leave-one-out); "
-            "the generator's loss stays RAG's marginal over rag.n_docs",
+            "loss) | emdr2 (EMDR^2 as the papers write it, sequence-level) | emdr2_token "
+            "(EMDR^2 as their codes compute it, token by token) | pdist (Atlas' PDist, REPLUG's "
+            "LSR) | loop (Atlas' leave-one-out; the uniform mixture of the other candidates "
+            "stands in for FiD reading them) | loop_weighted (that mixture weighted by the "
+            "retriever: what loop was before, the loop_k16 rows) | gold (DPR's loss); the "
+            "generator's loss stays RAG's marginal over rag.n_docs",
         ),
         "retriever_candidates": (
             0,
@@ -355,7 +359,13 @@ SCHEMA: dict[str, dict[str, tuple]] = {
         ),
         "retriever_lm_temperature": (
             0.1,
-            "tau_g of pdist and loop: the reader's posterior softmax(log p_LM / tau_g)",
+            "tau_g of pdist and the loops: the reader's posterior softmax(r / tau_g)",
+        ),
+        "retriever_lm_score": (
+            "sum",
+            "r, the reader's score of a candidate in pdist and the loops: sum (the answer's "
+            "log-likelihood, REPLUG's LSR) | mean (per scored answer token, as Atlas' code); "
+            "the other objectives read the likelihoods themselves and need sum",
         ),
         "retriever_score_temperature": (
             1.0,

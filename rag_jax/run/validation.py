@@ -172,6 +172,7 @@ def _check_choices(config: ml_collections.ConfigDict) -> None:
         ("retrieval.passage_format", config.retrieval.passage_format, ("pair", "single")),
         ("train.optimizer", config.train.optimizer, ("adamw", "sgd")),
         ("train.retriever_loss", config.train.retriever_loss, retriever_losses.OBJECTIVES),
+        ("train.retriever_lm_score", config.train.retriever_lm_score, retriever_losses.LM_SCORES),
         ("train.optimizer_impl", config.train.optimizer_impl, ("optax", "fused")),
         ("model.attention_impl", config.model.attention_impl, flash.IMPLS),
         ("model.remat_policy", config.model.remat_policy, remat.POLICIES),
@@ -299,6 +300,16 @@ def _check_retriever_objective(config: ml_collections.ConfigDict) -> None:
             "config.train.retriever_shuffle_reader permutes the memoised reader likelihoods the "
             "retriever's own objective reads: set config.train.answer_memo=True and a "
             "retriever_loss other than marginal (or retriever_candidates > rag.n_docs)"
+        )
+    if (
+        t.retriever_loss in retriever_losses.LEAVE_ONE_OUT
+        and objective.count(config.rag.n_docs) < 2
+    ):
+        raise ValueError(
+            f"config.train.retriever_loss={t.retriever_loss!r} leaves one candidate out of K, "
+            f"but K = {objective.count(config.rag.n_docs)} (rag.n_docs={config.rag.n_docs}, "
+            f"retriever_candidates={t.retriever_candidates}, retriever_random_negatives="
+            f"{t.retriever_random_negatives}): set train.retriever_candidates >= 2"
         )
     r = config.retrieval  # the step searches for itself (experiment._asks_in_step's rule)
     in_step = r.index == "device" and r.search_in_step and not r.refresh_every
