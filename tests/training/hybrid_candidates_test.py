@@ -9,7 +9,7 @@ import jax
 import numpy as np
 import pytest
 
-from rag_jax.retrieval import sources
+from rag_jax.retrieval import lexical, sources
 from rag_jax.retriever_losses import RetrieverObjective
 from rag_jax.run import settings, validation
 from rag_jax.training import experiment, loop, step
@@ -34,17 +34,32 @@ def built(tmp_path_factory):
     return config, exp
 
 
-def _dense_rows(exp, examples, k):
-    """[B, k] the initial question tower's exact top k, in float64 (lower row first on ties)."""
+def _dense_reference(exp, examples):
+    """[B, C] every passage's score under the initial question tower, in float64."""
     batcher = Batcher(exp, loop.device_mesh(exp.config), train=False)
     fields, _ = batcher.questions(examples)
     q = np.asarray(
         batcher.embed(exp.params, fields["question_input_ids"], fields["question_attention_mask"]),
         np.float64,
     )
-    scores = q @ np.asarray(exp.retriever.vectors, np.float64).T  # -> [B, C]
-    rows = np.arange(scores.shape[1])
-    return np.stack([np.lexsort((rows, -s))[:k] for s in scores])
+    return q @ np.asarray(exp.retriever.vectors, np.float64).T
+
+
+def _agrees_with_brute_force(rows, scores, gap=1e-4):
+    """Whether each row of [B, k] `rows` is a top k of [B, C] float64 `scores`, best first: the
+    same ids as the reference wherever the reference's neighbouring scores differ by more than
+    `gap` (passages closer than that may come in either order on another machine's kernels)."""
+    for found, row_scores in zip(rows, scores, strict=True):
+        order = np.argsort(-row_scores, kind="stable")
+        k = len(found)
+        got = row_scores[found]
+        if np.any(np.diff(got) > gap):  # not descending beyond the rounding slack
+            return False
+        kth = row_scores[order[k - 1]]
+        outside = np.delete(row_scores, found)
+        if outside.size and outside.max() > kth + gap:  # a clearly better passage was left out
+            return False
+    return True
 
 
 def _fused(rankings, k, c=60):
@@ -63,18 +78,26 @@ def _fused(rankings, k, c=60):
     return np.array(out)
 
 
-def test_hybrid_candidates_are_the_fused_dense_and_bm25_rankings(built):
+def test_hybrid_candidates_are_the_fused_dense_and_bm25_rankings(built, monkeypatch):
     config, exp = built
+    fused_inputs = []
+    fuse = lexical.fuse
+    monkeypatch.setattr(lexical, "fuse", lambda r, k: fused_inputs.append(r) or fuse(r, k))
     table = Batcher(exp, loop.device_mesh(config)).fixed_candidates()  # -> [len(train), K]
     source = exp.retriever.source
     assert isinstance(source, sources.CandidateSource) and source.kind == "hybrid"
     depth = 12
-    dense = _dense_rows(exp, exp.train, depth)
-    _, lexical = source.bm25.search([e.question for e in exp.train], depth)
-    np.testing.assert_array_equal(table, _fused([dense, lexical], K))
+    dense = np.concatenate([r[0] for r in fused_inputs])  # what the index's search returned
+    bm25 = np.concatenate([r[1] for r in fused_inputs])
+    assert dense.shape == bm25.shape == (len(exp.train), depth)
+    # The dense side is the tower's top 12 (a float64 brute force), BM25's its own search's.
+    assert _agrees_with_brute_force(dense, _dense_reference(exp, exp.train))
+    np.testing.assert_array_equal(bm25, source.bm25.search([e.question for e in exp.train], 12)[1])
+    np.testing.assert_array_equal(table, _fused([dense, bm25], K))
+    lexical_rows = bm25
     # Drawn from both sides: some candidates only BM25 ranks in its top 12, some only dense.
     only_bm25 = [set(t) - set(d) for t, d in zip(table, dense)]
-    only_dense = [set(t) - set(b) for t, b in zip(table, lexical)]
+    only_dense = [set(t) - set(b) for t, b in zip(table, lexical_rows)]
     assert any(only_bm25) and any(only_dense)
     assert all(len(set(row)) == K for row in table)  # deduplicated
 
