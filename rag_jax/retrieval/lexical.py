@@ -29,6 +29,7 @@ tie, and a question sharing no word with the corpus scores 0 everywhere and gets
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import re
@@ -52,6 +53,8 @@ TOKENIZER = "lowercase; regex (?u)\\b\\w\\w+\\b; bm25s STOPWORDS_EN removed; no 
 FORMAT = "rag_jax.bm25"
 VERSION = 1
 # Scores held at once by `search` (float32): B questions are scored in chunks of this many / C.
+# bm25s logs each build at DEBUG through a handler of its own: a build is not news.
+logging.getLogger("bm25s").setLevel(logging.WARNING)
 _CHUNK_SCORES = 1 << 24
 # `fuse`: float sums of reciprocal ranks closer than this (relative) are compared exactly; float
 # rounding is ~1e-16 per term, so no pair that differs exactly is ever misordered by floats.
