@@ -28,9 +28,10 @@ def paths(tiny_trained_run, tmp_path_factory):
     (what `experiments/export.py --hf` writes)."""
     workdir, _ = tiny_trained_run
     tmp = tmp_path_factory.mktemp("readme")
-    shutil.copytree(workdir / "bundle", tmp / "rag_default" / "bundle")  # the example edits it
+    shutil.copytree(workdir / "bundle", tmp / "rag_default" / "bundle")
     bundle.load(tmp / "rag_default" / "bundle").to_hf(tmp / "rag_hf")
     return {
+        "/tmp/rag_edited": str(tmp / "rag_edited"),
         "/tmp/rag_hf_edited": str(tmp / "rag_hf_edited"),
         "/tmp/rag_hf": str(tmp / "rag_hf"),
         "/tmp/rag_default": str(tmp / "rag_default"),
@@ -60,7 +61,7 @@ def test_the_causal_example_runs_as_written(paths):
         hf_llama.smollm2_path()
     except FileNotFoundError as e:
         pytest.skip(reason=f"the causal example needs SmolLM2: {e}")
-    ns = _run(causal, paths, _run(quick, paths, {}))
+    ns = _run(causal, paths, {})  # on its own: it needs nothing of the quick start
     assert np.asarray(ns["causal_nll"]).shape == (len(ns["questions"]),)
     assert np.all(np.asarray(ns["causal_nll"]) > 0)
 
@@ -69,5 +70,10 @@ def test_the_bundle_example_runs_as_written(paths):
     (example,) = _blocks("Bundles and serving")
     ns = _run(example, paths, {})
     assert isinstance(ns["a"].answer, str) and len(ns["a"].passages) > 0
-    assert "edit-1" in ns["model"].store.ids  # the edit took
+    assert "resa_nemobu:colour:answer" in ns["model"].store.ids  # the edit took
+    edited, pid = ns["model"].store, "resa_nemobu:colour:answer"
+    assert "orange" in edited.text(list(edited.ids).index(pid))
+    original = bundle.load(pathlib.Path(paths["/tmp/rag_default"]) / "bundle").store
+    ids = list(original.ids)  # the example edits a copy: the default job's bundle is as it was
+    assert pid not in ids or "orange" not in original.text(ids.index(pid))
     assert (pathlib.Path(paths["/tmp/rag_hf_edited"]) / "model.safetensors").is_file()
