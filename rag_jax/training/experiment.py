@@ -41,7 +41,7 @@ from rag_jax.devices import sharding
 from rag_jax.models import bert
 from rag_jax.retrieval import documents, passage_trunk, sources
 from rag_jax.retrieval import retriever as retrieval
-from rag_jax.retrieval.corpus import Passage, read_corpus
+from rag_jax.retrieval.corpus import Passage, json_objects, read_corpus
 from rag_jax.retrieval.device_index import DeviceIndex
 from rag_jax.retrieval.passage_trunk import TrunkStates
 from rag_jax.retrieval.retriever import ClosedBook, Retriever
@@ -245,9 +245,25 @@ def _check_gold_ids(config, train, evals, store) -> None:
             e, g = stray[0]
             source = config.retrieval.index_dir or config.data.corpus_path or "the passages"
             raise ValueError(
-                f"{len(stray)} gold passage ids of the {split} questions are not in the corpus "
-                f"({source}, {len(store)} passages), e.g. question {e.id!r} names {g!r}"
+                f"{_where(config.data, split, e.id)}: gold passage id {g!r} of question {e.id!r} "
+                f"is not in the corpus ({source}, {len(store)} passages; {len(stray)} gold ids "
+                f"of the {split} questions are not)"
             )
+
+
+def _where(d, split: str, question_id: str) -> str:
+    """'<file>, line <n>, field <gold ids' key>' of a question of a questions file (the file
+    alone where the line is not found: a .csv, or TFDS)."""
+    path = d.train_path if split == "train" else (d.eval_path or d.train_path)
+    if d.source != "files" or not path:
+        return f"the {split} questions"
+    fields = dict(d.fields or {})
+    if pathlib.Path(path).suffixes[:1] == [".jsonl"] or path.endswith((".jsonl", ".jsonl.gz")):
+        key = fields.get("id", "id")
+        for line_no, record in json_objects(path):
+            if str(record.get(key)) == question_id:
+                return f"{path}, line {line_no}, field '{fields.get('gold_ids', 'gold_ids')}'"
+    return str(path)
 
 
 def build(config: ml_collections.ConfigDict, workdir, *, retriever: bool = True) -> Experiment:

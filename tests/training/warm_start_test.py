@@ -203,18 +203,32 @@ def test_reader_on_files_learns_to_read_and_the_oracle_says_so(tmp_path, reader_
         evaluation.oracle(exp, exp.params, [data.Example("q?", ("a",), "odd", ("nowhere",))])
 
 
-def test_questions_whose_gold_passage_is_not_in_the_corpus_are_refused(reader_exp):
+def test_questions_whose_gold_passage_is_not_in_the_corpus_are_refused(reader_exp, tmp_path):
     """`experiment.build` checks every question's gold ids against the store before any warm
-    start: a missing one would count as a retrieval miss no model could avoid."""
+    start: a missing one would count as a retrieval miss no model could avoid. From a questions
+    file, the error names its file, line and field."""
     from rag_jax.training import experiment
 
     exp = reader_exp
     stray = data.Example("q?", ("a",), "odd", ("no_such_passage",))
     experiment._check_gold_ids(exp.config, exp.train, exp.eval, exp.store)  # the world's: fine
-    with pytest.raises(ValueError, match=r"1 gold passage ids of the eval questions are not in "
-                       r"the corpus \(.*, \d+ passages\), e\.g\. question 'odd' names "
-                       r"'no_such_passage'"):  # fmt: skip
+    with pytest.raises(ValueError, match=r"the eval questions: gold passage id 'no_such_passage' "
+                       r"of question 'odd' is not in the corpus \(.*, \d+ passages; 1 gold ids "
+                       r"of the eval questions are not\)"):  # fmt: skip
         experiment._check_gold_ids(exp.config, exp.train, [*exp.eval, stray], exp.store)
+    questions = tmp_path / "q.jsonl"
+    lines = [
+        {"question": "q?", "answers": ["a"], "id": i, "gold": g}
+        for i, g in (("fine", exp.store.ids[0]), ("odd", "no_such_passage"))
+    ]  # noqa: E501
+    questions.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    config = exp.config.copy_and_resolve_references()
+    config.data.update(source="files", train_path=str(questions), eval_path=str(questions))
+    config.data.fields = {"gold_ids": "gold"}
+    examples = data.read_examples(questions, {"gold_ids": "gold"})
+    with pytest.raises(ValueError, match=r"q\.jsonl, line 2, field 'gold': gold passage id "
+                       r"'no_such_passage' of question 'odd'"):  # fmt: skip
+        experiment._check_gold_ids(config, examples, [], exp.store)
 
 
 # ---------------------------------------------------------------------------------------------
