@@ -33,6 +33,8 @@ from rag_jax.retrieval.store import PassageStore
 # Batch sizes answers are computed at (a batch is padded up to the next); larger batches are cut
 # into batches of the largest.
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+# The tokenizers that read a question (`Bundle._content`'s names): each must find a word in it.
+QUESTION_READERS = ("question encoder", "generator")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,8 +105,8 @@ class Answering:
     """How a bundle answers (the `Bundle` methods of this module): batches padded to buckets, one
     knowledge snapshot per call, jitted programs cached per setting, compiled ahead on request.
 
-    Reads the bundle's `rag_cfg`, `settings`, `_params`, `_knowledge`, tokenizers and compile
-    state, set up by `Bundle.__init__`.
+    Reads the bundle's `rag_cfg`, `settings`, `_params`, `_knowledge`, tokenizers (and their
+    `_content` check) and compile state, set up by `Bundle.__init__`.
     """
 
     @property
@@ -163,13 +165,22 @@ class Answering:
           B `PreparedQuestion`s, in order, for `generate`.
 
         Raises:
-          ValueError: a question or setting that cannot be answered (named).
+          ValueError: a question (one with no word for the tokenizers: `check_questions`) or a
+            setting that cannot be answered (named).
           RuntimeError: `compiled_only` before any question encoder program is compiled.
         """
         setting = self._answer_setting(questions, variant, num_beams, n_docs, sequence_decoding)
+        self.check_questions(questions)
         retriever = self._retriever(setting)
         tokenizers = (self.question_tokenizer, self.generator_tokenizer)
         return self._prepare(list(questions), setting, retriever, tokenizers, compiled_only)
+
+    def check_questions(self, questions: Sequence[str]) -> None:
+        """Raises ValueError naming the first of `questions` in which the question encoder's or
+        the generator's tokenizer reads no content token (nothing, or only unknown or special
+        tokens: `content.ContentCheck`): it would be answered from nothing."""
+        for i, question in enumerate(questions):
+            self._content.check(f"questions[{i}]", question, QUESTION_READERS, "a question")
 
     def generate(
         self, prepared: Sequence[PreparedQuestion], *, compiled_only: bool = False

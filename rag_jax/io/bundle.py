@@ -30,9 +30,9 @@ import jax
 import numpy as np
 
 from rag_jax import rag
-from rag_jax.io import answers, bundle_format, hf_export
+from rag_jax.io import answers, bundle_format, content, hf_export
 from rag_jax.io.answers import AnswerSetting
-from rag_jax.io.bundle_format import Settings
+from rag_jax.io.bundle_config import Settings
 from rag_jax.retrieval import files, store_edit
 from rag_jax.retrieval.corpus import Passage, check_record
 from rag_jax.retrieval.edits import EditedIndex, LiveRowIndex
@@ -46,6 +46,8 @@ FORMAT, VERSION = bundle_format.FORMAT, bundle_format.VERSION
 # An edit keeps the ScaNN searcher while the passages edited since it was built (replaced,
 # added, deleted) are at most this share of those it holds; past it the searcher is built again.
 FOLD_EDITS = 0.1
+# The tokenizers that read a passage's text and title (`Bundle._content`'s names).
+PASSAGE_READERS = ("passage encoder", "generator")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,6 +127,15 @@ class Bundle(answers.Answering):
         # each has its own copies (made here, before any of them runs).
         self._decode_tokenizer = copy.deepcopy(generator_tokenizer)  # `generate`'s
         self._compile_tokenizers = copy.deepcopy((question_tokenizer, generator_tokenizer))
+        # Does a question or an edited passage hold a word for the tokenizers that read it?
+        # (From any thread: a server's event loop asks before it queues a request.)
+        self._content = content.ContentCheck(
+            {
+                "question encoder": question_tokenizer,
+                "passage encoder": encoder.tokenizer,
+                "generator": generator_tokenizer,
+            }
+        )
         self._compile_lock = threading.Lock()  # one `compile` at a time
         self._ready_lock = threading.Lock()
         self._ready: dict[AnswerSetting, set[tuple[int, int]]] = {}  # compiled (bucket, width)
@@ -286,8 +297,10 @@ class Bundle(answers.Answering):
         see the new ones.
 
         Args:
-          upserts: `Passage(id, title, text)` records (or (id, title, text) triples); each text
-            non-empty, each id at most once.
+          upserts: `Passage(id, title, text)` records (or (id, title, text) triples); each id at
+            most once, each text holding a word for the passage encoder's and the generator's
+            tokenizers (a token neither unknown nor special), each title blank, the passage's
+            current one, or one they read as more than nothing or special tokens.
           deletes: ids of passages to remove; each must exist.
 
         Returns:
@@ -327,6 +340,7 @@ class Bundle(answers.Answering):
                     "cannot delete ids that are not in the bundle's passages: "
                     f"{sorted(missing)[:5]}"
                 )
+            _check_content(self._content, changed, rows, store)
             old_dir = self.directory
             # Before anything is read or written: the files the edit carries over (the model's,
             # linked; the passages and vectors, copied from) must be the ones sealed, or their
@@ -493,3 +507,18 @@ def _check_edit(upserts, deletes) -> tuple[dict, set]:
     if both:
         raise ValueError(f"ids both upserted and deleted: {both[:5]}")
     return changed, gone
+
+
+def _check_content(check: content.ContentCheck, changed: dict, rows: dict, store) -> None:
+    """ValueError naming the first upsert of `changed` ({id: Passage}, in the order given) whose
+    text has no word for the tokenizers that read it (`PASSAGE_READERS`): an edit would index a
+    passage of nothing; or whose title they read as nothing, or as special tokens alone (a
+    title of unknown words is kept: `content`). A blank title is no title, and the title a
+    passage has (its row in `rows`) is not checked again: a client changing a text keeps it."""
+    for i, (pid, passage) in enumerate(changed.items()):
+        where = f"(id {pid!r:.80})"
+        check.check(f"upserts[{i}].text {where}", passage.text, PASSAGE_READERS, "a text")
+        kept = pid in rows and store.title(rows[pid]) == passage.title
+        if passage.title.strip() and not kept:
+            field = f"upserts[{i}].title {where}"
+            check.check(field, passage.title, PASSAGE_READERS, "a title", unknown_is_word=True)

@@ -22,13 +22,17 @@
 A folder is written whole beside its destination and swapped in (`files.swap_dir`), so a crash
 leaves the previous bundle; a crash between the swap's two renames leaves it aside, in
 `.<name>.old.*/<name>`, and `read` puts it back (`restore`). `read` refuses a missing, truncated
-or corrupted file (naming it), parameters holding NaN or inf, a manifest edited after it was
-sealed, and a manifest whose encoder fingerprint or corpus checksum disagrees with the
-parameters, the store or the index. An edit first checks every file of the folder against the
-manifest (`check_bundle`), then links the model's files into its new folder and carries their
-checked records into the new manifest (`link_model`), never hashing them again; the passages and
-vectors it copies are hashed as read and checked against their records before anything is sealed
-(`retrieval.store_edit`): damage, even done while the edit writes, is never sealed.
+or corrupted file (naming it), a file the manifest does not list (`check_listed`: the manifest
+is the one file the format writes unlisted), parameters holding NaN or inf, a manifest edited
+after it was sealed, a manifest whose encoder fingerprint or corpus checksum disagrees with the
+parameters, the store or the index, a config.json value out of its type or range
+(`bundle_config`, naming the field), and a tokenizer config naming a class or a file a bundle
+may not hold (`bundle_tokenizers`). An edit first checks every file of the folder against the
+manifest, and the folder for files it does not list (`check_bundle`), then links the model's
+files into its new folder and carries their checked records into the new manifest
+(`link_model`), never hashing them again; the passages and vectors it copies are hashed as read
+and checked against their records before anything is sealed (`retrieval.store_edit`): damage,
+even done while the edit writes, is never sealed.
 
 Legend: C corpus size, D vector width.
 """
@@ -43,10 +47,11 @@ import time
 import flax
 import jax
 import numpy as np
-import transformers
 from safetensors.numpy import load_file, save_file
 
 from rag_jax import rag
+from rag_jax.io import bundle_config, bundle_tokenizers
+from rag_jax.io.bundle_config import Settings
 from rag_jax.models import bart, bert, llama
 from rag_jax.retrieval import files
 from rag_jax.retrieval.edits import EditedIndex, LiveRowIndex
@@ -72,18 +77,6 @@ SCANN_EDITS = "scann_edits.npz"  # edits over a ScaNN searcher (`LiveRowIndex`, 
 class DamagedBundleError(RuntimeError):
     """A bundle's own file is missing or differs from its manifest: the folder was damaged
     after it was written (the request that found it is not at fault)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Settings:
-    """How a bundle answers by default (from the run's config)."""
-
-    question_length: int  # Q: question-encoder tokens; longer questions are truncated
-    variant: str  # "sequence" | "token"
-    sequence_decoding: str  # "thorough" | "fast" (RAG-Sequence)
-    context_pad_multiple: int  # contexts are padded to a multiple of this (0: always S)
-    index: str  # "exact" | "scann": how the passage vectors are searched
-    keep_question: bool = False  # contexts too long lose the passage's end, not the question
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,28 +159,6 @@ def link_tree(source: pathlib.Path, target: pathlib.Path) -> None:
             shutil.copy2(src, dst)
 
 
-# The tokenizer classes a bundle may name: the ones the trainer writes (WordPiece for the
-# towers, BART's, the Llama family's and tokenizers' fast backends) and their kin. Any other
-# transformers class named in a crafted tokenizer_config.json would run its own from_pretrained
-# (a RagRetriever's tried to download wiki_dpr from the Hub).
-TOKENIZER_CLASSES = frozenset(
-    f"{name}{fast}"
-    for name in (
-        "Bert",
-        "Bart",
-        "Roberta",
-        "GPT2",
-        "Llama",
-        "DPRQuestionEncoder",
-        "DPRContextEncoder",
-        "T5",
-        "Gemma",
-        "Qwen2",
-    )  # fmt: skip
-    for fast in ("Tokenizer", "TokenizerFast")
-) | {"PreTrainedTokenizerFast", "TokenizersBackend"}
-
-
 def check_paths(directory: pathlib.Path, manifest: dict) -> None:
     """Every file the manifest lists lies inside the bundle folder: no absolute path, no `..`,
     no link that leads out of it (a crafted manifest or link would have a load read, and an
@@ -210,10 +181,44 @@ def check_paths(directory: pathlib.Path, manifest: dict) -> None:
             )
 
 
+def unlisted(directory: pathlib.Path, manifest: dict) -> list[str]:
+    """What the bundle folder `directory` holds beyond the files `manifest` lists and the
+    manifest itself (the one file the format writes unlisted), as sorted relative paths: files
+    and links to files, and links to folders no listed file lies under ("name/")."""
+    directory = pathlib.Path(directory)
+    listed = set(manifest["files"]) | {files.MANIFEST}
+    above = {str(pathlib.PurePosixPath(rel).parent) for rel in listed}
+    above |= {str(p) for rel in above for p in pathlib.PurePosixPath(rel).parents}
+    found = []
+    for root, folders, names in os.walk(directory):  # links to folders are not followed
+        below = pathlib.Path(root).relative_to(directory)
+        rels = [(below / name).as_posix() for name in names]
+        found += [rel for rel in rels if rel not in listed]
+        links = [name for name in folders if os.path.islink(os.path.join(root, name))]
+        found += [f"{rel}/" for rel in ((below / n).as_posix() for n in links) if rel not in above]
+    return sorted(found)
+
+
+def check_listed(directory: pathlib.Path, manifest: dict) -> None:
+    """Raises ValueError naming the first file of the bundle folder `directory` its manifest
+    does not list (`unlisted`): a load refuses what an edit would (`check_bundle`), and no
+    reader of the folder (transformers, for one) finds a file the manifest does not vouch for.
+    """
+    extra = unlisted(directory, manifest)
+    if extra:
+        raise ValueError(
+            f"{os.path.join(directory, extra[0])} is not listed in "  # a folder's "/" kept
+            f"{pathlib.Path(directory) / files.MANIFEST}"
+            + (f" (nor {len(extra) - 1} more)" if len(extra) > 1 else "")
+            + "; a bundle holds only the files its manifest lists: remove it, or restore the "
+            "bundle from a good copy"
+        )
+
+
 def check_bundle(source: pathlib.Path, manifest: dict) -> dict[str, dict]:
     """Checks every file `manifest` (the one the bundle folder `source` was loaded with) lists
-    whole (size and sha256) against it, and that the model's parts (`MODEL_PARTS`) hold no file
-    it does not list; returns the model's files' records, for `link_model`.
+    whole (size and sha256) against it, and that the folder holds no file it does not list (as
+    a load does, `check_listed`); returns the model's files' records, for `link_model`.
 
     An edit calls it before it reads or writes anything: the passages and vectors it carries
     over and the model files it links must be the ones sealed, or a damaged bundle would be
@@ -224,20 +229,12 @@ def check_bundle(source: pathlib.Path, manifest: dict) -> dict[str, dict]:
     """
     source = pathlib.Path(source)
     path = source / files.MANIFEST
-    found = set()
-    for part in MODEL_PARTS:
-        if (source / part).is_dir():
-            found |= {f"{part}/{rel}" for rel in files.files_under(source / part)}
-        elif (source / part).exists():
-            found.add(part)
     advice = "the edit was not written; restore the bundle from a good copy"
     try:
         check_paths(source, manifest)
+        check_listed(source, manifest)
     except ValueError as e:
         raise DamagedBundleError(f"{e}; {advice}") from None
-    extra = sorted(found - set(manifest["files"]))
-    if extra:
-        raise DamagedBundleError(f"{source / extra[0]} is not listed in {path}; {advice}")
     for rel, record in sorted(manifest["files"].items()):
         try:
             files.check_file(source / rel, record, verify=True, what="bundle file", manifest=path)
@@ -402,18 +399,14 @@ def read(directory, *, verify: bool = True) -> Parts:
         if rel not in manifest["files"]:
             raise ValueError(f"{path}: lists no {rel}; the bundle is incomplete")
     check_paths(directory, manifest)
+    check_listed(directory, manifest)
     for rel, record in manifest["files"].items():
         files.check_file(directory / rel, record, verify=verify, what="bundle file", manifest=path)
-    try:
-        config = json.loads((directory / "config.json").read_text(encoding="utf-8"))
-        rag_cfg = _rag_config(config["rag"])
-        passage = config["passage_encoder"]
-        passage_cfg = bert.BertConfig(**passage["config"])
-        settings = Settings(**config["settings"])
-    except (KeyError, TypeError, ValueError) as e:
-        raise ValueError(
-            f"{directory / 'config.json'}: malformed ({type(e).__name__}: {e})"
-        ) from None
+    count = manifest["count"]
+    if not isinstance(count, int) or isinstance(count, bool) or count < 0:
+        raise ValueError(f"{path}: count {count!r:.40} is not a number of passages")
+    config = bundle_config.read(directory / "config.json", count=count, index=manifest["index"])
+    rag_cfg, passage_cfg, settings = config.rag_cfg, config.passage_cfg, config.settings
     shapes = {
         "question_encoder": _bert_shapes(rag_cfg.question_encoder),
         "generator": llama.param_shapes(rag_cfg.generator)
@@ -422,15 +415,10 @@ def read(directory, *, verify: bool = True) -> Parts:
         "passage_encoder": _bert_shapes(passage_cfg),
     }
     params = {tower: _read_params(directory, tower, shapes[tower]) for tower in TOWERS}
-    question_tokenizer = _load_tokenizer(directory / TOKENIZERS["question"])
-    generator_tokenizer = _load_tokenizer(directory / TOKENIZERS["generator"])
+    question_tokenizer = _load_tokenizer(directory, manifest, "question")
+    generator_tokenizer = _load_tokenizer(directory, manifest, "generator")
     encoder = PassageEncoder(
-        passage_cfg,
-        params["passage_encoder"],
-        question_tokenizer,
-        max_length=passage["max_length"],
-        input_format=passage["input_format"],
-        batch_size=passage["batch_size"],
+        passage_cfg, params["passage_encoder"], question_tokenizer, **config.passage
     )
     fingerprint = encoder.fingerprint
     if fingerprint != manifest["encoder_fingerprint"]:
@@ -526,26 +514,6 @@ def _edited_scann(directory: pathlib.Path, manifest: dict, verify: bool) -> Live
     return index
 
 
-def _rag_config(values: dict) -> rag.RagConfig:
-    """A RagConfig from its `dataclasses.asdict` form (as config.json holds it)."""
-    values = dict(values)
-    generation = dict(values.pop("generation"))
-    generation["bad_words_ids"] = tuple(tuple(w) for w in generation.get("bad_words_ids", ()))
-    generator = dict(values.pop("generator"))
-    if "num_hidden_layers" in generator:  # a causal generator's LlamaConfig
-        scaling = generator.get("rope_scaling")
-        generator["rope_scaling"] = None if scaling is None else tuple(map(tuple, scaling))
-        generator = llama.LlamaConfig(**generator)
-    else:
-        generator = bart.BartConfig(**generator)
-    return rag.RagConfig(
-        question_encoder=bert.BertConfig(**values.pop("question_encoder")),
-        generator=generator,
-        generation=rag.GenerationConfig(**generation),
-        **values,
-    )
-
-
 def _bert_shapes(cfg: bert.BertConfig):
     ids = np.zeros((1, 2), np.int32)
     model = bert.BertEncoder(cfg)
@@ -581,20 +549,9 @@ def _read_params(directory: pathlib.Path, tower: str, shapes) -> dict:
     return flax.traverse_util.unflatten_dict(flat, sep="/")
 
 
-def _load_tokenizer(directory: pathlib.Path):
-    """A tokenizer saved by `save_pretrained`, by the class its config names: `AutoTokenizer`
-    imports PyTorch when it is installed (seconds of a bundle's start-up), the class does not."""
-    try:
-        config = json.loads((directory / "tokenizer_config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        raise ValueError(f"{directory}: no readable tokenizer_config.json ({e})") from None
-    name = config.get("tokenizer_class")
-    if name is not None and name not in TOKENIZER_CLASSES:
-        raise ValueError(
-            f"{directory / 'tokenizer_config.json'}: tokenizer_class {name!r} is not a tokenizer "
-            f"a bundle may hold (one of {sorted(TOKENIZER_CLASSES)})"
-        )
-    cls = getattr(transformers, str(name), None)
-    if cls is None:  # no class named (or one this transformers lacks): read the files alone
-        return transformers.AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
-    return cls.from_pretrained(str(directory), local_files_only=True)
+def _load_tokenizer(directory: pathlib.Path, manifest: dict, name: str):
+    """The tokenizer in the folder `TOKENIZERS[name]`, read from the files the manifest lists
+    there alone (`bundle_tokenizers.load`)."""
+    folder = TOKENIZERS[name]
+    listed = {rel[len(folder) + 1 :] for rel in manifest["files"] if rel.startswith(f"{folder}/")}
+    return bundle_tokenizers.load(directory / folder, listed)

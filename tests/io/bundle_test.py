@@ -543,8 +543,9 @@ def test_a_scann_bundle_keeps_its_searcher_through_edits_and_answers_alike(copy,
     scann_inode = (tmp_path / "scann_bundle" / "scann" / "manifest.json").stat().st_ino
     for model in (exact, loaded):
         model.edit(upserts=replaced + added, deletes=gone)
-    report = loaded.edit(upserts=[added[0]._replace(text="edited again")], deletes=[added[1].id])
-    exact.edit(upserts=[added[0]._replace(text="edited again")], deletes=[added[1].id])
+    edited = added[0]._replace(text="edited again by the mill .")  # words the tiny vocab has
+    report = loaded.edit(upserts=[edited], deletes=[added[1].id])
+    exact.edit(upserts=[edited], deletes=[added[1].id])
     assert not report["index_rebuilt"]
 
     again = bundle.load(tmp_path / "scann_bundle")
