@@ -6,13 +6,13 @@ r"""Serves a trained bundle over HTTP: answers with their provenance, knowledge 
         -d '{"questions": ["where was resa nemobu born ?"], "variant": "token"}'
 
 Binds to 127.0.0.1 unless `--host` says otherwise, first of all (a port in use: exit status 1 at
-once, saying so); open http://127.0.0.1:8000/ for the page and
-/docs or /openapi.json for the API. `/healthz` answers 200 once the first programs are compiled
-(the largest batch bucket at the widest context, which every batch pads up to: 15-25 s from a
-cold start on 2 CPU cores); the other buckets and widths compile in the background while it
-answers, and `/healthz` says `"compiled": true` once they all are; `/metrics`
-is for Prometheus, `/v1/metrics` the same counters in JSON. The routes, the batching, the
-errors and the timeouts: `rag_jax.serving.app`.
+once, saying so); open http://127.0.0.1:8000/ for the page and /openapi.json for the API
+(`--api_docs`: Swagger UI at /docs, its scripts from a CDN). `/healthz` answers 200 once the
+first programs are compiled (the largest batch bucket at the widest context, which every batch
+pads up to: 15-25 s from a cold start on 2 CPU cores); the other buckets and widths compile in
+the background while it answers, and `/healthz` says `"compiled": true` once they all are;
+`/metrics` is for Prometheus, `/v1/metrics` the same counters in JSON. The routes, the
+batching, the errors, the limits and the timeouts: `rag_jax.serving.app`, `docs/serving.md`.
 """
 
 import sys
@@ -42,6 +42,9 @@ _COLD_IDLE = flags.DEFINE_float("cold_idle_s", 300.0, "a cold setting idle this 
 _COLD_FILL = flags.DEFINE_integer(
     "cold_fill_after", 8, "requests before a cold setting compiles its other shapes"
 )
+_COLD_CLAIM = flags.DEFINE_float(
+    "cold_claim_s", 60.0, "a cold setting serving no request this long after its compile is evicted"
+)
 _QUESTION_CHARS = flags.DEFINE_integer("max_question_chars", 2_000, "longest question (chars)")
 _PASSAGE_CHARS = flags.DEFINE_integer("max_passage_chars", 100_000, "longest edited passage")
 _ID_CHARS = flags.DEFINE_integer("max_id_chars", 256, "longest edited passage id (chars)")
@@ -52,10 +55,13 @@ _HOSTS = flags.DEFINE_multi_string(
 _KEEP_ALIVE = flags.DEFINE_float("keep_alive_s", 5.0, "idle connections closed after (s)")
 _CONNECTIONS = flags.DEFINE_integer("max_connections", 256, "open connections (503 beyond)")
 _PER_CLIENT = flags.DEFINE_integer(
-    "max_connections_per_client", 0, "open connections of one address; 0 = max_connections / 4"
+    "max_connections_per_client", 16, "open connections of one address; 0 = no cap of its own"
 )
 _HEADER_TIMEOUT = flags.DEFINE_float("header_timeout_s", 10.0, "request head deadline (s)")
 _BODY_TIMEOUT = flags.DEFINE_float("body_timeout_s", 30.0, "request body deadline (s)")
+_SEND_TIMEOUT = flags.DEFINE_float("send_timeout_s", 30.0, "deadline to read a response (s)")
+_RESPONSE = flags.DEFINE_integer("max_response_bytes", 4 << 20, "largest response (bytes)")
+_DOCS = flags.DEFINE_bool("api_docs", False, "serve Swagger UI at /docs (scripts from a CDN)")
 
 
 def main(argv):
@@ -87,6 +93,7 @@ def main(argv):
             max_cold_settings=_COLD.value,
             cold_idle_s=_COLD_IDLE.value,
             cold_fill_after=_COLD_FILL.value,
+            cold_claim_s=_COLD_CLAIM.value,
             max_question_chars=_QUESTION_CHARS.value,
             max_passage_chars=_PASSAGE_CHARS.value,
             max_id_chars=_ID_CHARS.value,
@@ -97,6 +104,9 @@ def main(argv):
             max_connections_per_client=_PER_CLIENT.value,
             header_timeout_s=_HEADER_TIMEOUT.value,
             body_timeout_s=_BODY_TIMEOUT.value,
+            send_timeout_s=_SEND_TIMEOUT.value,
+            max_response_bytes=_RESPONSE.value,
+            api_docs=_DOCS.value,
         ),
         sock,
     )

@@ -54,6 +54,9 @@ class ServerConfig:
     # A cold setting compiles its first shape only; its other shapes once it has served this
     # many requests (one odd request queued 15 compiles).
     cold_fill_after: int = 8
+    # A cold setting that has served no request this long after its compile ended (its client
+    # never came back, or it failed) is evicted: only served requests renew a slot.
+    cold_claim_s: float = 60.0
     max_question_chars: int = 2_000  # a longer question is refused (413) before it is tokenised
     max_passage_chars: int = 100_000  # an edit's longest passage text or title (413 beyond)
     max_id_chars: int = 256  # an edit's longest passage id (413 beyond)
@@ -63,19 +66,19 @@ class ServerConfig:
     keep_alive_s: float = 5.0  # an idle kept-alive connection is closed after this long
     max_connections: int = 256  # open connections beyond this answer 503 (uvicorn's limit)
     # Open connections of one client address (an IPv6 /64) beyond this are closed on arrival,
-    # unread: one address sending request heads slowly holds this share of `max_connections`,
-    # not all of it. 0 = a quarter of max_connections (`connections_per_client`). Behind a
-    # proxy every client has the proxy's address: raise it to max_connections there.
-    max_connections_per_client: int = 0
+    # unread; at `max_connections` a newcomer takes a slot of the client holding the most
+    # (`connections.TimedH11Protocol`). 0 = no cap of its own. Behind a proxy every client has
+    # the proxy's address: raise it to max_connections there.
+    max_connections_per_client: int = 16
     # A connection is closed when a request's head is not whole this long after the connection
     # opened (or after its first byte, following a keep-alive wait): slowloris, or nothing sent.
     header_timeout_s: float = 10.0
     body_timeout_s: float = 30.0  # ... or its body this long after the head (a trickled body)
-
-    @property
-    def connections_per_client(self) -> int:
-        """`max_connections_per_client`, its 0 read as a quarter of `max_connections`."""
-        return self.max_connections_per_client or max(1, self.max_connections // 4)
+    # A response still in the server's buffer this long after its first byte (its client does
+    # not read) is dropped and its connection cut.
+    send_timeout_s: float = 30.0
+    max_response_bytes: int = 4 << 20  # a larger response is refused (422) before it is sent
+    api_docs: bool = False  # serve Swagger UI at /docs (its scripts from a CDN)
 
 
 class AnswerRequest(BaseModel):

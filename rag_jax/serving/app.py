@@ -20,7 +20,10 @@ Every error is a JSON body {"error": {"status", "message", "details"?}} with its
 answers 500 with the exception's type, its traceback only in the server's log, and a server
 error's message names no folder of the server's (`api.redact`: the log keeps it whole). Every
 response says `nosniff`, the page also its Content-Security-Policy (its own files only) and
-that no other site may frame it; HEAD is answered on every GET route.
+that no other site may frame it; HEAD is answered on every GET route. A response over
+`max_response_bytes` is refused (422) before a byte of it is sent (`ResponseLimit`); the
+answers are rendered off the event loop. Swagger UI (`/docs`) only with `api_docs`, under a
+policy as strict (its script from its CDN, its inline one by hash, never framed); no `/redoc`.
 
 Hostile input is refused before it costs the server anything: a `Host` header not in
 `allowed_hosts` (400: a DNS-rebinding page cannot reach a loopback server), a body over
@@ -37,7 +40,9 @@ A setting (variant, num_beams, n_docs) not compiled yet is compiled off the serv
 most `max_cold_settings` of them: its requests answer 503 with `Retry-After` until its first
 shape is ready, and the warmed settings' traffic never waits on a compile; its other shapes
 compile once it has traffic (`cold_fill_after` requests), and it is evicted after `cold_idle_s`
-without a request. A warmed setting's probe answer with a non-finite number keeps `/healthz` 503
+without a request served, or `cold_claim_s` after its compile if it served none (a request it
+does not serve never renews it); one client starts one at a time, until it serves a request
+(429 meanwhile). A warmed setting's probe answer with a non-finite number keeps `/healthz` 503
 (its "reason" names the field); such an answer past ready is a 500 naming it. The serving path
 never compiles: a batch runs at the cheapest (bucket, width) shape compiled that holds it
 (`state.ServerState`). The batcher prepares the next batch (tokens, question vectors, passages,
@@ -47,21 +52,27 @@ connection is lost (reset) before its batch starts is dropped (one that only clo
 FIN, may be waiting for the answer: a half-close). A slow client cannot hold a connection: a
 request head not whole within `header_timeout_s` of the connection's opening (or of its first
 byte after a keep-alive wait), or a body not whole within `body_timeout_s` after it, closes the
-connection (`connections.TimedH11Protocol`); an idle kept-alive one closes after `keep_alive_s`.
-One client address holds at most `connections_per_client` of the `max_connections`: beyond, a
-connection is closed on arrival, so slow clients from one address cannot make every other
-client's request answer 503. A client that half-closes after its request still reads the
-response; the connection closes after it.
+connection (`connections.TimedH11Protocol`); an idle kept-alive one closes after `keep_alive_s`;
+a response not out of the server's buffer `send_timeout_s` after it began (its client does not
+read) is dropped with its connection. A chunked body's framing counts against `max_body_bytes`.
+One client address holds at most `max_connections_per_client` connections (closed on arrival
+beyond), and at `max_connections` a client holding fewer than another takes one of its slots:
+however many addresses slow clients use, they cannot make every other client's request answer
+503. A client that half-closes after its request still reads the response; the connection
+closes after it.
 """
 
 import asyncio
+import base64
 import contextlib
 import dataclasses
 import errno
+import hashlib
 import importlib.resources
 import logging
 import os
 import pathlib
+import re
 import socket
 import tempfile
 import threading
@@ -69,6 +80,7 @@ import threading
 import fastapi
 from fastapi import exceptions as fastapi_exceptions
 from fastapi import responses, staticfiles
+from fastapi.openapi.docs import get_swagger_ui_html
 from starlette import concurrency
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.trustedhost import TrustedHostMiddleware
@@ -80,6 +92,7 @@ from rag_jax.retrieval import files
 from rag_jax.retrieval.corpus import Passage
 from rag_jax.serving import metrics
 from rag_jax.serving.api import (
+    DRAIN_FACTOR,
     ApiError,
     BodyLimit,
     HeadAsGet,
@@ -110,6 +123,60 @@ PAGE_HEADERS = {
     "x-frame-options": "DENY",
 }
 _NOT_WRITABLE = (errno.EROFS, errno.EACCES, errno.EPERM)
+DOCS_CDN = "https://cdn.jsdelivr.net"  # where FastAPI's Swagger UI page loads its script and style
+
+
+def docs_page(title: str, openapi_url: str) -> responses.HTMLResponse:
+    """Swagger UI (`ServerConfig.api_docs`) under a policy as strict as the page's: its script
+    and style sheet from `DOCS_CDN` only, its inline script by its hash, never framed."""
+    html = get_swagger_ui_html(
+        openapi_url=openapi_url, title=title, oauth2_redirect_url=None, swagger_favicon_url="data:,"
+    ).body.decode()
+    hashes = " ".join(
+        "'sha256-" + base64.b64encode(hashlib.sha256(script.encode()).digest()).decode() + "'"
+        for script in re.findall(r"<script>(.*?)</script>", html, re.DOTALL)
+    )
+    policy = (
+        f"default-src 'self'; script-src {DOCS_CDN} {hashes}; "
+        f"style-src {DOCS_CDN} 'unsafe-inline'; img-src 'self' data:; base-uri 'none'; "
+        "object-src 'none'; form-action 'none'; frame-ancestors 'none'"
+    )
+    headers = {**PAGE_HEADERS, "content-security-policy": policy}
+    return responses.HTMLResponse(html, headers=headers)
+
+
+class ResponseLimit:
+    """Answers 422 in place of a response whose Content-Length is over `limit` bytes, before a
+    byte of it is sent (every response of this app has a length): an answer carrying passages
+    planted by edits made a 527-byte request return 25.6 MB."""
+
+    def __init__(self, app, limit: int):
+        if limit < 1:
+            raise ValueError(f"max_response_bytes must be >= 1, got {limit}")
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        refused = False
+
+        async def bounded(message):
+            nonlocal refused
+            if message["type"] == "http.response.start":
+                length = dict(message.get("headers", ())).get(b"content-length", b"0")
+                if int(length) > self.limit:
+                    refused = True
+                    log.warning("%s: a response of %s bytes refused", scope["path"], int(length))
+                    message = (
+                        f"the response would be {int(length)} bytes, over the server's "
+                        f"max_response_bytes ({self.limit}); ask for less at once (fewer "
+                        "questions, a smaller n_docs)"
+                    )
+                    return await error_response(422, message)(scope, receive, send)
+            if not refused:
+                await send(message)
+
+        await self.app(scope, receive, bounded)
 
 
 def _not_writable(error: BaseException | None) -> bool:
@@ -167,11 +234,16 @@ def make_app(model: bundle.Bundle, config: ServerConfig, *, warm_up: bool = True
         await asyncio.to_thread(state.batcher.close)
         state.compiler.shutdown(wait=False, cancel_futures=True)
 
+    from rag_jax.serving import connections  # the [serve] extra, as uvicorn
+
     app = fastapi.FastAPI(
         title="rag_jax",
         version="1",
         summary="Answers with their provenance from a trained RAG bundle; live knowledge edits.",
         lifespan=lifespan,
+        docs_url=None,  # `api_docs` serves /docs under the page's headers; no /redoc
+        redoc_url=None,
+        swagger_ui_oauth2_redirect_url=None,
     )
     app.state.server = state
     app.router.route_class = StrictJsonRoute  # their JSON bodies: no repeated or unknown keys
@@ -200,8 +272,9 @@ def make_app(model: bundle.Bundle, config: ServerConfig, *, warm_up: bool = True
         log.exception("%s %s failed", request.method, request.url.path)
         return error_response(500, f"internal error ({type(e).__name__}); see the server's log")
 
-    # Added last = outermost: the host is checked first, then the body's size, then counted;
-    # every response, refusals included, says nosniff.
+    # Added last = outermost: the host is checked first, then the body's size, then counted
+    # (the response's size refusal too); every response, refusals included, says nosniff.
+    app.add_middleware(ResponseLimit, limit=config.max_response_bytes)
     app.add_middleware(RequestCounter, metrics=state.metrics)
     app.add_middleware(BodyLimit, limit=config.max_body_bytes)
     app.add_middleware(TrustedHostMiddleware, allowed_hosts=allowed_hosts(config))
@@ -216,7 +289,8 @@ def make_app(model: bundle.Bundle, config: ServerConfig, *, warm_up: bool = True
         setting = state.setting_of(request)
         if not state.ready.is_set():
             raise ApiError(503, "the server is still compiling its programs; try again")
-        state.check_warm(setting)
+        peer = None if http.client is None else (http.client.host, http.client.port)
+        state.check_warm(setting, connections.client_key(peer))
         future = state.batcher.submit(setting, request.questions)
         answered = asyncio.wrap_future(future)
         gone = asyncio.ensure_future(_disconnected(http))
@@ -231,13 +305,17 @@ def make_app(model: bundle.Bundle, config: ServerConfig, *, warm_up: bool = True
             answers = answered.result()
         except ValueError as e:  # e.g. an edit left fewer passages than n_docs
             raise ApiError(422, str(e)) from e
-        check_finite(answers)  # a named 500, not the JSON renderer's exception
-        body = {
-            "answers": [a.to_dict() for a in answers],
-            "setting": dataclasses.asdict(setting),
-            "question_token_limit": model.settings.question_length,
-        }
-        return responses.JSONResponse(body)  # plain data: no jsonable_encoder pass
+
+        def rendered():  # off the event loop: an answer may carry megabytes of passages
+            check_finite(answers)  # a named 500, not the JSON renderer's exception
+            body = {
+                "answers": [a.to_dict() for a in answers],
+                "setting": dataclasses.asdict(setting),
+                "question_token_limit": model.settings.question_length,
+            }
+            return responses.JSONResponse(body)  # plain data: no jsonable_encoder pass
+
+        return await concurrency.run_in_threadpool(rendered)
 
     @app.get("/v1/passages/{passage_id:path}")
     async def get_passage(passage_id: str):
@@ -363,6 +441,12 @@ def make_app(model: bundle.Bundle, config: ServerConfig, *, warm_up: bool = True
         times the answering programs were traced (compiled), the queue, each setting's state."""
         return responses.JSONResponse(state.metrics.snapshot())
 
+    if config.api_docs:
+
+        @app.get("/docs", include_in_schema=False)
+        async def swagger_ui():
+            return docs_page(f"{app.title} API", app.openapi_url)
+
     static = importlib.resources.files("rag_jax.serving") / "static"
 
     @app.get("/", include_in_schema=False)
@@ -377,10 +461,12 @@ def make_app(model: bundle.Bundle, config: ServerConfig, *, warm_up: bool = True
 def uvicorn_config(app, config: ServerConfig):
     """uvicorn's settings for `app` (made by `make_app`): idle kept-alive connections closed
     after `keep_alive_s`, request heads and bodies that arrive too slowly after
-    `header_timeout_s` / `body_timeout_s` (counted in the app's metrics), at most
-    `max_connections` open (503 beyond), of which one client address holds at most
-    `connections_per_client` (closed on arrival beyond, counted too), request heads of at most
-    64 KiB.
+    `header_timeout_s` / `body_timeout_s` and responses not read within `send_timeout_s`
+    (counted in the app's metrics), bodies counted with their chunked framing against
+    `max_body_bytes`, at most `max_connections` open (503 beyond), of which one client address
+    holds at most `max_connections_per_client` (closed on arrival beyond, counted too) and at
+    the limit a client holding fewer takes a slot of the one holding the most (counted), request
+    heads of at most 64 KiB.
 
     Raises:
       ValueError: a timeout that is not a positive number of seconds, or a negative
@@ -392,7 +478,7 @@ def uvicorn_config(app, config: ServerConfig):
 
     if config.max_connections_per_client < 0:
         raise ValueError(
-            "max_connections_per_client must be >= 0 (0: a quarter of max_connections), got "
+            "max_connections_per_client must be >= 0 (0: no cap of its own), got "
             f"{config.max_connections_per_client}"
         )
     counts = app.state.server.metrics
@@ -400,8 +486,12 @@ def uvicorn_config(app, config: ServerConfig):
         config.header_timeout_s,
         config.body_timeout_s,
         counts.timed_out,
-        max_per_client=config.connections_per_client,
+        max_per_client=config.max_connections_per_client or None,
         on_refused=counts.refused,
+        send_timeout_s=config.send_timeout_s,
+        on_evicted=counts.evicted,
+        max_body_bytes=config.max_body_bytes,
+        max_body_read=DRAIN_FACTOR * config.max_body_bytes,  # as far as `BodyLimit` reads
     )
     return uvicorn.Config(
         app,

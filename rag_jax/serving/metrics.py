@@ -2,8 +2,9 @@
 Prometheus and the tools that read its format scrape) and a JSON snapshot (`GET /v1/metrics`).
 
 Counted as they happen: requests by route and status and their latencies; each merged call's
-questions, requests and seconds; edits; connections cut for sending their request too slowly,
-and those closed on arrival because their client address held its share of the connections.
+questions, requests and seconds; edits; connections cut for sending their request (or reading
+their response) too slowly, those closed on arrival because their client address held its share
+of the connections, and those cut to let a client holding fewer in.
 Read from the server at each scrape (`Live`, through the function given to `watch`): readiness,
 the batcher's queue, the bundle's trace count, each setting's compile state, the passages.
 
@@ -33,7 +34,7 @@ WINDOW = 10_000  # answer latencies kept for the JSON view's percentiles
 # accelerator and tens to hundreds on a CPU; a queue behind a slow call or an edit, seconds.
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75, 1, 2.5, 5, 10, 30)
 SETTING_STATES = ("ready", "compiling", "failed")
-TIMEOUT_PHASES = ("headers", "body")  # `connections.TimedH11Protocol`'s deadlines
+TIMEOUT_PHASES = ("headers", "body", "send")  # `connections.TimedH11Protocol`'s deadlines
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +83,7 @@ class Metrics:
         self._edits = 0
         self._timed_out: collections.Counter = collections.Counter()  # phase -> connections
         self._refused = 0  # connections closed on arrival: their address held its share
+        self._evicted = 0  # connections cut at the limit: their client held the most
         self._live_fn: Callable[[], Live] | None = None
 
         self.registry = prometheus_client.CollectorRegistry()
@@ -122,7 +124,8 @@ class Metrics:
         )
         self._timeouts = prometheus_client.Counter(
             "rag_jax_connections_timed_out",
-            "Connections closed for sending their request head (headers) or body too slowly",
+            "Connections closed for sending their request head (headers) or body, or reading "
+            "their response (send), too slowly",
             ["phase"],
             registry=r,
         )
@@ -132,6 +135,12 @@ class Metrics:
             "rag_jax_connections_refused",
             "Connections closed on arrival, unread: their client address held "
             "max_connections_per_client open connections already",
+            registry=r,
+        )
+        self._evictions = prometheus_client.Counter(
+            "rag_jax_connections_evicted",
+            "Connections cut at max_connections to let in a client holding fewer: their client "
+            "held the most",
             registry=r,
         )
         r.register(_LiveCollector(self))
@@ -177,6 +186,12 @@ class Metrics:
         with self._lock:
             self._refused += 1
 
+    def evicted(self) -> None:
+        """A connection cut at the server's limit for a client holding fewer."""
+        self._evictions.inc()
+        with self._lock:
+            self._evicted += 1
+
     def live(self) -> Live | None:
         """The server's state now (None before `watch`)."""
         return None if self._live_fn is None else self._live_fn()
@@ -221,6 +236,7 @@ class Metrics:
                 "edits": self._edits,
                 "timed_out": {phase: self._timed_out[phase] for phase in TIMEOUT_PHASES},
                 "refused_connections": self._refused,
+                "evicted_connections": self._evicted,
                 **(dataclasses.asdict(live) if live is not None else {}),
             }
 

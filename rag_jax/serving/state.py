@@ -66,9 +66,12 @@ class ServerState:
     compile one by one on the compile thread while it is served, and answers run only at shapes
     compiled (`compiled_only`), padding up to the cheapest: the serving path never compiles.
     Before ready, each warmed setting answers a probe question, and a non-finite number in it
-    keeps the server unready (`unhealthy` says why). A cold setting (not warmed) compiles its
+    keeps the server unready; `unhealthy` says why it is not ready (compiling, a failed
+    compile, a probe answer not finite). A cold setting (not warmed) compiles its
     first shape on its first request, its other shapes once it has served `cold_fill_after`
-    requests, and is evicted after `cold_idle_s` without one.
+    requests, and is evicted after `cold_idle_s` without one served (`cold_claim_s` after its
+    compile if it served none; so too, when every slot is taken and another is asked for, the
+    one served longest ago if that was `cold_claim_s` ago). A client starts one at a time.
     """
 
     def __init__(self, model: bundle.Bundle, config: ServerConfig, *, on_demand: bool = False):
@@ -110,11 +113,13 @@ class ServerState:
         self.filling: set[batching.Setting] = set()  # served, other shapes still compiling
         self.compile_s = 10.0  # how long the latest first shape took to compile (Retry-After)
         self.compiler = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="compile")
-        # Why the server stays unready though its programs compiled (None: it is not kept so).
-        self.unhealthy: str | None = None
+        # Why the server is not ready (`/healthz`'s "reason"): its warm-up compiling, a compile
+        # that failed, a probe answer that was not finite. None once ready.
+        self.unhealthy: str | None = "starting: its answering programs are not compiled yet"
         self.clock = time.monotonic  # when a cold setting was last asked for (tests fake it)
         self.last_used: dict[batching.Setting, float] = {}  # cold settings: their last request
         self.served: dict[batching.Setting, int] = {}  # cold settings: requests since compiled
+        self.started_by: dict[batching.Setting, str] = {}  # cold settings: the client asking first
 
     def _prepare(self, questions, setting: batching.Setting):
         return self.model.prepare(
@@ -194,23 +199,30 @@ class ServerState:
         with self.settings_lock:  # /metrics shows them compiling until served
             self.compiling.update(self.warmed)
         for setting in self.warmed:
+            self.unhealthy = f"compiling the answering programs of {_name(setting)}"
             try:
                 self._compile_first(setting)
             except Exception as e:  # noqa: BLE001 - the server stays up, not ready, and says why
                 log.exception("compiling the answering programs of %s failed", setting)
+                why = f"{type(e).__name__}: {e}"
+                self.unhealthy = f"compiling the answering programs of {_name(setting)} failed"
+                self.unhealthy += f" ({why:.500})"
                 with self.settings_lock:
-                    self.failed[setting] = f"{type(e).__name__}: {e}"
+                    self.failed[setting] = why
                     self.compiling.difference_update(self.warmed)
                 return
             finally:
                 with self.settings_lock:
                     self.compiling.discard(setting)
         for setting in self.warmed:
-            self.unhealthy = self._probe(setting)
-            if self.unhealthy is not None:
+            self.unhealthy = f"answering a probe question with {_name(setting)}"
+            unusable = self._probe(setting)
+            if unusable is not None:
+                self.unhealthy = unusable
                 log.error("not ready: %s", self.unhealthy)
                 return
         self.ready.set()
+        self.unhealthy = None
         log.warning("ready: %d traces compiled; the other shapes follow", self.model.traces)
         with self.settings_lock:
             self.filling.update(self.warmed)
@@ -250,33 +262,53 @@ class ServerState:
                 self.last_used[setting] = self.clock()  # idle from its compile's end
                 self.served[setting] = 0
 
-    def _evict_idle(self) -> None:
-        """Evicts the cold settings (served or failed) asked for by no request in the last
-        `cold_idle_s`, freeing their slots; their programs are dropped on the compile thread
-        (after any compile running), never on the event loop. Holds `settings_lock`."""
-        now = self.clock()
-        for setting, last in list(self.last_used.items()):
-            busy = setting in self.compiling or setting in self.filling
-            if busy or now - last < self.config.cold_idle_s:
-                continue
-            log.warning("evicting %s: no request for %.0f s", setting, now - last)
-            del self.last_used[setting]
-            self.served.pop(setting, None)
-            self.failed.pop(setting, None)
-            if setting in self.warm:
-                self.warm.discard(setting)
-                self._submit(self.model.forget, self._answer_setting(setting))
+    def _unclaimed(self, setting: batching.Setting) -> bool:
+        """Whether a cold setting has served no request since its compile (or it failed)."""
+        return setting in self.compiling or setting in self.failed or not self.served.get(setting)
 
-    def check_warm(self, setting: batching.Setting) -> None:
+    def _idle(self) -> dict[batching.Setting, float]:
+        """Each cold setting not compiling: seconds since its last request served (or since its
+        compile ended, if none). Holds `settings_lock`."""
+        now = self.clock()
+        return {
+            setting: now - last
+            for setting, last in self.last_used.items()
+            if setting not in self.compiling and setting not in self.filling
+        }
+
+    def _evict(self, setting: batching.Setting, idle_s: float) -> None:
+        """Frees a cold setting's slot; its programs are dropped on the compile thread (after any
+        compile running), never on the event loop. Holds `settings_lock`."""
+        log.warning("evicting %s: no request served for %.0f s", setting, idle_s)
+        del self.last_used[setting]
+        self.served.pop(setting, None)
+        self.failed.pop(setting, None)
+        self.started_by.pop(setting, None)
+        if setting in self.warm:
+            self.warm.discard(setting)
+            self._submit(self.model.forget, self._answer_setting(setting))
+
+    def _evict_idle(self) -> None:
+        """Evicts the cold settings served by no request in the last `cold_idle_s`, and those
+        that served none in the `cold_claim_s` after their compile ended (or failed)."""
+        for setting, idle_s in self._idle().items():
+            limit = self.config.cold_idle_s
+            if self._unclaimed(setting):
+                limit = min(limit, self.config.cold_claim_s)
+            if idle_s >= limit:
+                self._evict(setting, idle_s)
+
+    def check_warm(self, setting: batching.Setting, client: str | None = None) -> None:
         """Returns if `setting` is compiled; else starts compiling it in the background (at most
-        `max_cold_settings` beyond the warmed ones) and raises ApiError: 503 with Retry-After
-        while it compiles, 422 when no more settings are compiled, 500 if its compile failed."""
+        `max_cold_settings` beyond the warmed ones, one at a time per `client` until it serves a
+        request) and raises ApiError: 503 with Retry-After while it compiles, 429 while the
+        client's last one has served none, 422 when no more settings are compiled, 500 if its
+        compile failed. Only a request served renews a cold setting's slot."""
         with self.settings_lock:
             self._evict_idle()
-            if setting in self.last_used:  # a cold setting: its traffic keeps it
-                self.last_used[setting] = self.clock()
             if setting in self.warm:
-                if setting in self.served:
+                if setting in self.served:  # a cold setting: its traffic keeps it
+                    self.last_used[setting] = self.clock()
                     self.served[setting] += 1
                     if self.served[setting] == self.config.cold_fill_after:
                         self.filling.add(setting)
@@ -285,8 +317,26 @@ class ServerState:
             name = _name(setting)
             if setting in self.failed:
                 raise ApiError(500, f"{name}: compiling it failed ({self.failed[setting]})")
+            retry = max(1, math.ceil(self.compile_s))
             if setting not in self.compiling:
+                mine = [s for s, c in self.started_by.items() if client is not None and c == client]
+                pending = [s for s in mine if self._unclaimed(s)]
+                if pending:
+                    raise ApiError(
+                        429,
+                        f"{name}: this client's last new setting ({_name(pending[0])}) has "
+                        "served no request yet; ask for it first, or for a served setting",
+                        headers={"Retry-After": str(retry)},
+                    )
                 cold = len(self.warm) + len(self.compiling) + len(self.failed) - len(self.warmed)
+                # Every slot taken: the one served longest ago is reclaimed if no request was
+                # served by it for cold_claim_s (a slot is kept against demand by its traffic).
+                idle = self._idle()
+                stale = max(idle, key=idle.get, default=None)
+                if cold >= self.config.max_cold_settings and stale is not None:
+                    if idle[stale] >= self.config.cold_claim_s:
+                        self._evict(stale, idle[stale])
+                        cold -= 1
                 if cold >= self.config.max_cold_settings:
                     served = sorted(dataclasses.astuple(s) for s in self.warm)
                     raise ApiError(
@@ -297,8 +347,9 @@ class ServerState:
                     )
                 self.compiling.add(setting)
                 self.last_used[setting] = self.clock()
+                if client is not None:
+                    self.started_by[setting] = client
                 self.compiler.submit(self._compile_cold, setting)
-            retry = max(1, math.ceil(self.compile_s))
         raise ApiError(
             503,
             f"{name}: compiling its programs; try again in {retry} s",
@@ -358,6 +409,10 @@ class ServerState:
                 raise ApiError(
                     422, f"questions[{i}]: expected a non-empty question (a visible character)"
                 )
+        try:  # e.g. a combining accent or a private-use character alone: no token but [UNK]
+            self.model.check_questions(request.questions)
+        except ValueError as e:
+            raise ApiError(422, str(e)) from None
         n_docs = d.n_docs if request.n_docs is None else request.n_docs
         top = min(self.max_n_docs, len(self.model.store))
         if not 1 <= n_docs <= top:
