@@ -15,6 +15,7 @@ the background while it answers, and `/healthz` says `"compiled": true` once the
 batching, the errors, the limits and the timeouts: `rag_jax.serving.app`, `docs/serving.md`.
 """
 
+import logging as std_logging
 import sys
 
 from absl import app, flags, logging
@@ -70,7 +71,9 @@ def main(argv):
     # the server's imports (JAX, FastAPI) would otherwise be paid twice before it can start.
     from rag_jax.serving import connections
 
-    logging.set_verbosity(logging.WARNING)
+    logging.set_verbosity(logging.WARNING)  # the libraries' own INFO lines stay quiet
+    # The server's start-up and lifecycle lines are news, not warnings: INFO, shown.
+    std_logging.getLogger("rag_jax.serving").setLevel(std_logging.INFO)
     try:  # before JAX and the bundle load: a port in use fails at once, and cleanly
         sock = connections.bind(_HOST.value, _PORT.value)
     except OSError as e:

@@ -533,5 +533,5 @@ def serve(config: ServerConfig, sock: socket.socket | None = None) -> None:
         log.warning("removed %s, left by an interrupted write", removed)
     model = bundle.load(config.bundle)
     app = make_app(model, config)
-    log.warning("serving %s on http://%s:%d/", config.bundle, config.host, config.port)
+    log.info("serving %s on http://%s:%d/", config.bundle, config.host, config.port)
     uvicorn.Server(uvicorn_config(app, config)).run(sockets=[sock])

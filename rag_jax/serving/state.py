@@ -183,7 +183,7 @@ class ServerState:
             done = self.compiled_traces is None and not self.filling & set(self.warmed)
         if done:
             self.compiled_traces = self.model.traces
-            log.warning("compiled every shape of %s: %d traces", self.warmed, self.model.traces)
+            log.info("compiled every shape of %s: %d traces", self.warmed, self.model.traces)
 
     def _submit(self, fn, *args) -> bool:
         """Queues `fn(*args)` on the compile thread; False once the server is shutting down."""
@@ -223,7 +223,7 @@ class ServerState:
                 return
         self.ready.set()
         self.unhealthy = None
-        log.warning("ready: %d traces compiled; the other shapes follow", self.model.traces)
+        log.info("ready: %d traces compiled; the other shapes follow", self.model.traces)
         with self.settings_lock:
             self.filling.update(self.warmed)
         for setting in self.warmed:
@@ -251,7 +251,7 @@ class ServerState:
         (`check_warm`), so that one odd request costs one compile."""
         try:
             self._compile_first(setting)
-            log.warning("compiled %s; its other shapes follow its traffic", setting)
+            log.info("compiled %s; its other shapes follow its traffic", setting)
         except Exception as e:  # noqa: BLE001 - its requests answer why
             log.exception("compiling %s failed", setting)
             with self.settings_lock:
@@ -279,7 +279,7 @@ class ServerState:
     def _evict(self, setting: batching.Setting, idle_s: float) -> None:
         """Frees a cold setting's slot; its programs are dropped on the compile thread (after any
         compile running), never on the event loop. Holds `settings_lock`."""
-        log.warning("evicting %s: no request served for %.0f s", setting, idle_s)
+        log.info("evicting %s: no request served for %.0f s", setting, idle_s)
         del self.last_used[setting]
         self.served.pop(setting, None)
         self.failed.pop(setting, None)
