@@ -13,10 +13,12 @@ persistent cache (`answers.enable_compilation_cache`), so later starts skip comp
 """
 
 import json
+import sys
 
 from absl import app, flags, logging
 
 from rag_jax.devices import distributed, host
+from rag_jax.devices.progress import Compiling
 from rag_jax.io import bundle
 from rag_jax.io.answers import enable_compilation_cache
 
@@ -41,12 +43,18 @@ def main(argv):
         # Imported here: the trainer's 0.5 s of imports are no part of a bundle's start-up.
         from rag_jax.training import loop
 
+        print(f"restoring {_WORKDIR.value}: its experiment and newest checkpoint", file=sys.stderr)
         exp, state, step = loop.restore(_WORKDIR.value)
         params = distributed.replicated_to_host(state.params)
         model = bundle.Bundle.from_experiment(exp, params, step=step)
-    answers = model.answer(
+    ask = lambda: model.answer(  # noqa: E731
         _QUESTIONS.value, variant=_VARIANT.value, num_beams=_BEAMS.value, n_docs=_N_DOCS.value
     )
+    if model.traces:  # compiled already (a restored run's)
+        answers = ask()
+    else:
+        with Compiling(2, "answering programs (the question encoder, the decoding)"):
+            answers = ask()
     for answer in answers:
         if _JSON.value:
             print(json.dumps(answer.to_dict()))

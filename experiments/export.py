@@ -13,6 +13,7 @@ step unless `--step`) or a bundle. Prints a JSON summary.
 """
 
 import json
+import sys
 
 from absl import app, flags, logging
 
@@ -29,6 +30,11 @@ _VARIANT = flags.DEFINE_enum("variant", None, ["sequence", "token"], "HF class; 
 flags.mark_flags_as_mutual_exclusive(["workdir", "bundle"], required=True)
 
 
+def say(line: str) -> None:
+    """A phase's line on stderr (stdout holds the one JSON summary)."""
+    print(line, file=sys.stderr, flush=True)
+
+
 def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)
@@ -37,14 +43,17 @@ def main(argv):
     if _BUNDLE.value:
         model = bundle.load(_BUNDLE.value)
     else:
+        say(f"restoring {_WORKDIR.value}: its experiment (data, warm starts, index) and checkpoint")
         exp, state, step = loop.restore(_WORKDIR.value, step=_STEP.value)
         params = distributed.replicated_to_host(state.params)
         model = bundle.Bundle.from_experiment(exp, params, step=step)
     summary = {"step": model.step, "passages": len(model.store)}
     if _OUT.value:
+        say(f"writing the bundle to {_OUT.value}")
         model.save(_OUT.value)
         summary["bundle"] = _OUT.value
     if _HF.value:
+        say(f"writing transformers' format to {_HF.value}: weights, passages, a faiss index")
         summary["hf"] = model.to_hf(_HF.value, variant=_VARIANT.value)
     print(json.dumps(summary, sort_keys=True))
 

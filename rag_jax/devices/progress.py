@@ -59,3 +59,47 @@ class Eta:
         self.printed = now
         if jax.process_index() == 0:
             print(self.line(self.done, extra), flush=True)
+
+
+class Compiling:
+    """Says what is compiling while it compiles: one line with the count of programs first, then
+    the seconds so far every `every_s` (XLA gives no finer progress), then the time it took.
+
+        with Compiling(2, "answering programs (question encoder, RAG-Token decoding)"):
+            model.answer(questions)   # the first call compiles
+
+    Quiet on processes other than 0; `out` is where the lines go (stderr by default)."""
+
+    def __init__(self, count: int, what: str, every_s: float = 10.0, out=None):
+        import sys
+
+        self.count, self.what, self.every_s = count, what, every_s
+        self.out = sys.stderr if out is None else out
+        self._stop = None
+
+    def _say(self, text: str) -> None:
+        if jax.process_index() == 0:
+            print(text, file=self.out, flush=True)
+
+    def __enter__(self):
+        import threading
+
+        self.began = time.monotonic()
+        self._say(f"compiling {self.count} {self.what} (the first start only: later starts "
+                  "read JAX's persistent cache)")  # fmt: skip
+        self._stop = threading.Event()
+
+        def tick():
+            while not self._stop.wait(self.every_s):
+                self._say(f"  compiling: {duration(time.monotonic() - self.began)} so far")
+
+        self._thread = threading.Thread(target=tick, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        if exc[0] is None:
+            self._say(f"compiled in {duration(time.monotonic() - self.began)}")
+        return False

@@ -1,6 +1,12 @@
 """devices.progress: the lines long phases print, with their rate and the time left."""
 
+import io
+import time
+
+import pytest
+
 from rag_jax.devices import progress
+from rag_jax.devices.progress import Compiling
 
 
 def test_durations_read_as_people_read_them():
@@ -27,3 +33,17 @@ def test_a_line_every_interval_with_the_rate_and_time_left(monkeypatch, capsys):
     now[0] = 141.0
     eta.update(1000)  # the end is always said
     assert "1000 of 1000 passages" in capsys.readouterr().out and eta.done == 1000
+
+
+def test_compiling_says_what_then_the_seconds_then_how_long():
+    out = io.StringIO()
+    with Compiling(2, "answering programs", every_s=0.05, out=out):
+        time.sleep(0.2)  # a compile that takes a while
+    lines = out.getvalue().splitlines()
+    assert lines[0].startswith("compiling 2 answering programs")
+    assert any(line.strip().startswith("compiling: ") for line in lines[1:-1])
+    assert lines[-1].startswith("compiled in ")
+    out = io.StringIO()
+    with pytest.raises(RuntimeError), Compiling(1, "program", out=out):
+        raise RuntimeError("the compile failed")
+    assert not out.getvalue().splitlines()[-1].startswith("compiled in")  # a failure says no end
