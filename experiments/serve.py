@@ -61,6 +61,9 @@ _PER_CLIENT = flags.DEFINE_integer(
 _HEADER_TIMEOUT = flags.DEFINE_float("header_timeout_s", 10.0, "request head deadline (s)")
 _BODY_TIMEOUT = flags.DEFINE_float("body_timeout_s", 30.0, "request body deadline (s)")
 _SEND_TIMEOUT = flags.DEFINE_float("send_timeout_s", 30.0, "deadline to read a response (s)")
+_VERIFY_EVERY = flags.DEFINE_float(
+    "verify_every_s", 600.0, "re-check every file of the bundle this often (s); 0: never"
+)
 _RESPONSE = flags.DEFINE_integer("max_response_bytes", 4 << 20, "largest response (bytes)")
 _DOCS = flags.DEFINE_bool("api_docs", False, "serve Swagger UI at /docs (scripts from a CDN)")
 
@@ -108,6 +111,7 @@ def main(argv):
             header_timeout_s=_HEADER_TIMEOUT.value,
             body_timeout_s=_BODY_TIMEOUT.value,
             send_timeout_s=_SEND_TIMEOUT.value,
+            verify_every_s=_VERIFY_EVERY.value,
             max_response_bytes=_RESPONSE.value,
             api_docs=_DOCS.value,
         ),

@@ -278,6 +278,21 @@ class Bundle(answers.Answering):
     # -----------------------------------------------------------------------------------------
     # Editing the knowledge
 
+    def verify(self) -> None:
+        """Checks every file of the folder served against the manifest it was loaded or last
+        edited with (sizes and sha256s, nothing unlisted), between edits: damage done on disk
+        after the load, which answers would otherwise quote until the next edit or load.
+
+        Raises:
+          bundle_format.DamagedBundleError: naming the first file missing, extra or changed.
+        """
+        if self.directory is None:
+            return
+        with self._edit_lock:  # an edit swaps the folder: check one folder with its manifest
+            bundle_format.check_bundle(
+                self.directory, self._knowledge.manifest, "restore the bundle from a good copy"
+            )
+
     def edit(self, upserts: Iterable[Passage] = (), deletes: Iterable[str] = ()) -> dict:
         """Adds, replaces and deletes passages; the parameters are untouched.
 

@@ -215,7 +215,11 @@ def check_listed(directory: pathlib.Path, manifest: dict) -> None:
         )
 
 
-def check_bundle(source: pathlib.Path, manifest: dict) -> dict[str, dict]:
+def check_bundle(
+    source: pathlib.Path,
+    manifest: dict,
+    advice: str = "the edit was not written; restore the bundle from a good copy",
+) -> dict[str, dict]:
     """Checks every file `manifest` (the one the bundle folder `source` was loaded with) lists
     whole (size and sha256) against it, and that the folder holds no file it does not list (as
     a load does, `check_listed`); returns the model's files' records, for `link_model`.
@@ -229,7 +233,6 @@ def check_bundle(source: pathlib.Path, manifest: dict) -> dict[str, dict]:
     """
     source = pathlib.Path(source)
     path = source / files.MANIFEST
-    advice = "the edit was not written; restore the bundle from a good copy"
     try:
         check_paths(source, manifest)
         check_listed(source, manifest)

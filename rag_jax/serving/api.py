@@ -79,6 +79,9 @@ class ServerConfig:
     send_timeout_s: float = 30.0
     max_response_bytes: int = 4 << 20  # a larger response is refused (422) before it is sent
     api_docs: bool = False  # serve Swagger UI at /docs (its scripts from a CDN)
+    # Every file of the bundle is re-checked against its manifest this often (0: never); damage
+    # found makes the server unready, /healthz naming the file (`Bundle.verify`).
+    verify_every_s: float = 600.0
 
 
 class AnswerRequest(BaseModel):

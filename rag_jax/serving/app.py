@@ -230,7 +230,12 @@ def make_app(model: bundle.Bundle, config: ServerConfig, *, warm_up: bool = True
             state.compiled_traces = model.traces
             state.warm.update(state.warmed)
             state.ready.set()
+        stop = threading.Event()
+        threading.Thread(
+            target=state.verify_forever, args=(stop,), name="verify", daemon=True
+        ).start()
         yield
+        stop.set()
         await asyncio.to_thread(state.batcher.close)
         state.compiler.shutdown(wait=False, cancel_futures=True)
 
@@ -287,8 +292,8 @@ def make_app(model: bundle.Bundle, config: ServerConfig, *, warm_up: bool = True
         """Answers 1 to max_batch questions with their passages (prior and posterior) and, for
         RAG-Token, each token's passage posteriors."""
         setting = state.setting_of(request)
-        if not state.ready.is_set():
-            raise ApiError(503, "the server is still compiling its programs; try again")
+        if not state.ready.is_set():  # compiling, or found damaged (then it says which file)
+            raise ApiError(503, state.unhealthy or "the server is still compiling; try again")
         peer = None if http.client is None else (http.client.host, http.client.port)
         state.check_warm(setting, connections.client_key(peer))
         future = state.batcher.submit(setting, request.questions)
@@ -422,12 +427,17 @@ def make_app(model: bundle.Bundle, config: ServerConfig, *, warm_up: bool = True
     async def healthz():
         """200 once each warmed setting's first shape is compiled (then every answer can run);
         503 before, with a "reason" when a probe answer kept it unready (a non-finite number,
-        named). "compiled": every shape of the warmed settings is (none compiles later)."""
+        named) or a file of the bundle was found damaged (`verify_every_s`). "compiled": every
+        shape of the warmed settings is (none compiles later)."""
         ready = state.ready.is_set()
         compiled = state.compiled_traces is not None
         body = {"ready": ready, "compiled": compiled, "passages": len(model.store)}
-        if not ready and state.unhealthy is not None:  # compiled, but its answers are unusable
-            body["reason"] = state.unhealthy
+        if not ready and state.unhealthy is not None:  # why; no folder of the server's named
+            body["reason"] = (
+                redact(state.unhealthy, [pathlib.Path(model.directory).absolute().parent])
+                if model.directory is not None
+                else state.unhealthy
+            )
         return responses.JSONResponse(body, status_code=200 if ready else 503)
 
     @app.get("/metrics", response_class=responses.PlainTextResponse)

@@ -11,7 +11,7 @@ import math
 import threading
 import time
 
-from rag_jax.io import answers, bundle
+from rag_jax.io import answers, bundle, bundle_format
 from rag_jax.retrieval.store_edit import IdLookup
 from rag_jax.serving import batching, metrics
 from rag_jax.serving.api import AnswerRequest, ApiError, ServerConfig, check_text, has_visible
@@ -192,6 +192,19 @@ class ServerState:
         except RuntimeError:  # the executor is shut down
             return False
         return True
+
+    def verify_forever(self, stop: threading.Event) -> None:
+        """Re-checks the bundle's files every `verify_every_s` until `stop` (a thread of its
+        own); damage found turns the server unready for good, `unhealthy` naming the file."""
+        every = self.config.verify_every_s
+        while every > 0 and not stop.wait(every):
+            try:
+                self.model.verify()
+            except bundle_format.DamagedBundleError as e:
+                self.ready.clear()
+                self.unhealthy = f"damaged: {e}"
+                log.error("not ready: %s", self.unhealthy)
+                return
 
     def warm_up(self) -> None:
         """Compiles each warmed setting's first shape and reports ready; their other shapes then
