@@ -53,8 +53,8 @@ import time
 import numpy as np
 
 from benchmarks import scale_difficulty
+from benchmarks.draw import CHUNK, D, write_vectors
 
-D = 768  # width of BERT-base passage vectors (DPR)
 K = 10  # recall@K
 RECALL = 0.95  # the recall every approximate index is tuned to reach
 BATCH = 128  # queries per call at the large batch
@@ -65,7 +65,6 @@ NUM_QUERIES = 1024  # held-out queries: tuning, recall and batch-128 timing (8 c
 SINGLE_QUERIES = 200  # timed one at a time
 EDITS = 1_000  # passages replaced in the edit
 HNSW_MAX = 1_000_000  # HNSW above this is not built (hours on two cores)
-CHUNK = 65_536  # rows generated per step
 # Model exponents for one measured size: how each figure grows with C by the index's design.
 MODEL_EXPONENTS = {
     "build_s": (1.0, "build cost linear in C (k-means on 64 sqrt(C) points x sqrt(C) leaves)"),
@@ -81,32 +80,6 @@ MODEL_EXPONENTS = {
 
 # ---------------------------------------------------------------------------------------------
 # Data
-
-
-def write_vectors(path, count: int, num_queries: int, seed: int) -> np.ndarray:
-    """Writes [count, D] float16 unit vectors to the .npy `path`, CHUNK rows at a time; returns
-    the [num_queries, D] float32 queries, drawn as the next rows of the same draw.
-
-    The draw is `benchmarks.index.clustered_vectors`' (count // 200 centres plus noise as large),
-    streamed: the noise of one chunk at a time exists as float32.
-    """
-    rng = np.random.default_rng(seed)
-    centres = rng.standard_normal((max(1, count // 200), D), dtype=np.float32)
-    out = np.lib.format.open_memmap(path, mode="w+", dtype=np.float16, shape=(count, D))
-    queries = np.empty((num_queries, D), np.float32)
-    total = count + num_queries
-    for start in range(0, total, CHUNK):
-        rows = min(CHUNK, total - start)
-        block = centres[rng.integers(len(centres), size=rows)]
-        block += rng.standard_normal((rows, D), dtype=np.float32)
-        block /= np.linalg.norm(block, axis=1, keepdims=True)
-        take = max(0, min(rows, count - start))
-        out[start : start + take] = block[:take]
-        if take < rows:  # the chunk reaches past the corpus: the rest are queries
-            queries[start + take - count : start + rows - count] = block[take:]
-    out.flush()
-    del out
-    return queries
 
 
 # ---------------------------------------------------------------------------------------------

@@ -10,6 +10,8 @@ import tempfile
 
 import numpy as np
 
+from benchmarks import draw
+
 K = 10  # recall@K, as the scale suite's
 
 
@@ -26,7 +28,6 @@ def relative_contrast(vectors, queries, true_scores) -> float:
 def difficulty_child(count: int, queries_n: int, path: str | None) -> dict:
     """Relative contrast and AH-only recall@10 at ~20k: synthetic (the suite's draw) and, where
     `path` names an .npz of MiniLM vectors (`passages`, `questions`), real."""
-    from benchmarks import scale  # the draw (which imports this module)
     from rag_jax.retrieval import index, scann_index
 
     def measure(vectors, queries):
@@ -41,7 +42,7 @@ def difficulty_child(count: int, queries_n: int, path: str | None) -> dict:
         }
 
     with tempfile.TemporaryDirectory() as tmp:
-        queries = scale.write_vectors(os.path.join(tmp, "v.npy"), count, queries_n, seed=3)
+        queries = draw.write_vectors(os.path.join(tmp, "v.npy"), count, queries_n, seed=3)
         out = {"synthetic": measure(np.load(os.path.join(tmp, "v.npy")), queries)}
     if path:
         real = np.load(path)
