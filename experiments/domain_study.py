@@ -99,20 +99,6 @@ def markdown(table: dict) -> str:
     return "\n\n".join(blocks)
 
 
-def parse_sets(items: list[str]) -> dict:
-    """`--set key=value` items (a JSON value each) as overrides."""
-    out = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise ValueError(f"--set {item!r}: expected key=value (a JSON value)")
-        try:
-            out[key] = json.loads(value)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"--set {item!r}: the value is not JSON ({e})") from None
-    return out
-
-
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="folder for the runs and results")
@@ -131,7 +117,7 @@ def main(argv=None):
         parser.error(f"unknown rows {sorted(unknown)}; choose from {sorted(ROWS)}")
     selected = {name: ROWS[name] for name in args.rows.split(",")}
     try:  # the --set values apply to the base config: a study folder keeps one
-        sets = parse_sets(args.set)
+        sets = squad_study.parse_sets(args.set)
     except ValueError as e:
         parser.error(str(e))
     out = pathlib.Path(args.out).absolute()

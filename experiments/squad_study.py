@@ -312,19 +312,25 @@ def markdown(table: dict, columns=COLUMNS, baseline: str = BASELINE) -> str:
     return "\n".join(lines)
 
 
-def selected_rows(names: list[str], sets: list[str]) -> dict[str, dict]:
-    """Row name -> its overrides, in the order asked, each with the `--set key=value` ones (a JSON
-    value): a row is kept on a later run only if it ran with the same settings, and its
-    results say how it ran."""
-    extra = {}
-    for item in sets:
+def parse_sets(items: list[str]) -> dict:
+    """`--set key=value` items (a JSON value each) as overrides."""
+    out = {}
+    for item in items:
         key, sep, value = item.partition("=")
         if not sep:
             raise ValueError(f"--set {item!r}: expected key=value (a JSON value)")
         try:
-            extra[key] = json.loads(value)
+            out[key] = json.loads(value)
         except json.JSONDecodeError as e:
             raise ValueError(f"--set {item!r}: the value is not JSON ({e})") from None
+    return out
+
+
+def selected_rows(names: list[str], sets: list[str]) -> dict[str, dict]:
+    """Row name -> its overrides, in the order asked, each with the `--set key=value` ones (a JSON
+    value): a row is kept on a later run only if it ran with the same settings, and its
+    results say how it ran."""
+    extra = parse_sets(sets)
     return {name: {**ROWS[name], **extra} for name in names}
 
 
