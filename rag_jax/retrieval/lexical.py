@@ -29,6 +29,7 @@ tie, and a question sharing no word with the corpus scores 0 everywhere and gets
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
@@ -36,9 +37,7 @@ import re
 from collections.abc import Sequence
 from fractions import Fraction
 
-import bm25s
 import numpy as np
-from bm25s.stopwords import STOPWORDS_EN
 
 from rag_jax.retrieval import files
 from rag_jax.retrieval.corpus import Passage
@@ -46,15 +45,35 @@ from rag_jax.retrieval.index import _top_k_rows
 
 # bm25s's default token pattern (scikit-learn CountVectorizer's): runs of 2+ word characters.
 _TOKEN = re.compile(r"(?u)\b\w\w+\b")
-_STOPWORDS = frozenset(STOPWORDS_EN)
 # The tokenizer's identity in saved manifests: change it whenever `tokenize` changes, so that an
 # index built with other words is refused rather than searched with mismatched questions.
 TOKENIZER = "lowercase; regex (?u)\\b\\w\\w+\\b; bm25s STOPWORDS_EN removed; no stemmer"
 FORMAT = "rag_jax.bm25"
 VERSION = 1
 # Scores held at once by `search` (float32): B questions are scored in chunks of this many / C.
-# bm25s logs each build at DEBUG through a handler of its own: a build is not news.
-logging.getLogger("bm25s").setLevel(logging.WARNING)
+
+
+@functools.cache
+def _bm25s():
+    """The `bm25s` module, imported on first use: importing it runs a JAX computation (its
+    `selection` module probes `jax.lax.top_k`), which starts JAX's backends, and on several hosts
+    `jax.distributed.initialize` must come before that. Importing this module starts nothing."""
+    import bm25s
+
+    # It logs each build at DEBUG through a handler of its own: a build is not news.
+    logging.getLogger("bm25s").setLevel(logging.WARNING)
+    return bm25s
+
+
+@functools.cache
+def _stopwords() -> frozenset[str]:
+    """bm25s's English stopwords."""
+    _bm25s()
+    from bm25s.stopwords import STOPWORDS_EN
+
+    return frozenset(STOPWORDS_EN)
+
+
 _CHUNK_SCORES = 1 << 24
 # `fuse`: float sums of reciprocal ranks closer than this (relative) are compared exactly; float
 # rounding is ~1e-16 per term, so no pair that differs exactly is ever misordered by floats.
@@ -68,7 +87,7 @@ def tokenize(text: str) -> list[str]:
     the text lowercased, its runs of two or more word characters (`(?u)\\b\\w\\w+\\b`, Unicode
     aware), minus bm25s's English stopwords. No stemming: "river" and "rivers" are two words.
     """
-    return [token for token in _TOKEN.findall(text.lower()) if token not in _STOPWORDS]
+    return [token for token in _TOKEN.findall(text.lower()) if token not in _stopwords()]
 
 
 def passage_text(passage: Passage) -> str:
@@ -86,7 +105,7 @@ class Bm25Index:
       b: BM25's length normalisation.
     """
 
-    def __init__(self, bm25: bm25s.BM25):
+    def __init__(self, bm25):
         """Wraps a built or loaded `bm25s.BM25`; use `build` or `load`."""
         self._bm25 = bm25
         self.count = int(bm25.scores["num_docs"])
@@ -121,7 +140,7 @@ class Bm25Index:
                 f"texts: none of the {len(texts)} texts holds a word (runs of 2+ letters or "
                 "digits that are not stopwords); BM25 could match nothing"
             )
-        bm25 = bm25s.BM25(
+        bm25 = _bm25s().BM25(
             k1=float(k1), b=float(b), method="lucene", backend="numpy", csc_backend="numpy"
         )
         # A (token ids, vocab) pair: bm25s then keeps our vocabulary as is.
@@ -173,7 +192,7 @@ class Bm25Index:
         sha256s of the files, and `extra` fields such as `corpus_checksum`)."""
         manifest = {"format": FORMAT, "version": VERSION, "count": self.count}
         manifest |= {"k1": self.k1, "b": self.b, "tokenizer": TOKENIZER}
-        manifest |= {"bm25s_version": bm25s.__version__, **extra}
+        manifest |= {"bm25s_version": _bm25s().__version__, **extra}
 
         def write_fn(tmp):
             self._bm25.save(tmp, show_progress=False)  # no corpus: passages live elsewhere
@@ -215,7 +234,7 @@ class Bm25Index:
             files.check_file(
                 os.path.join(directory, name), record, verify=verify, what="BM25 index file"
             )
-        ix = cls(bm25s.BM25.load(directory, mmap=mmap, show_progress=False))
+        ix = cls(_bm25s().BM25.load(directory, mmap=mmap, show_progress=False))
         if ix.count != manifest["count"]:
             raise ValueError(
                 f"{path}: field 'count' is {manifest['count']} but the bm25s files hold "

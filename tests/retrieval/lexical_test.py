@@ -285,3 +285,19 @@ def test_fuse_errors():
         fuse([a], 0)
     with pytest.raises(ValueError, match="c must be an integer >= 0"):
         fuse([a], 1, c=-1)
+
+
+def test_importing_the_library_starts_no_jax_backend():
+    """bm25s runs a JAX computation when imported; on several hosts `jax.distributed.initialize`
+    must come before any, so the library imports it on first use only."""
+    import subprocess
+    import sys
+
+    code = (
+        "from jax._src import xla_bridge\n"
+        "from rag_jax.training import experiment, loop\n"
+        "from rag_jax.retrieval import lexical, sources\n"
+        "assert not xla_bridge.backends_are_initialized()\n"
+        "lexical.Bm25Index.build(['a bb cc', 'dd ee']).search(['bb'], 1)\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
