@@ -33,12 +33,10 @@ import argparse
 import json
 import os
 import pathlib
-import shutil
 
 import squad_study
 from feedback_study import run
 from rag_jax.devices import host, preemption
-from rag_jax.retrieval import files
 from rag_jax.run import settings
 
 CONFIGS = {"covidqa": squad_study._load_config("covidqa")}
@@ -143,11 +141,7 @@ def main(argv=None):
             print(f"seed {seed}: stopped in row {results['preempted']}; the same command resumes")
             return
     table = summary(out, seeds)
-    files.write_atomic(out / "summary.json", json.dumps(table, indent=1).encode())
-    if args.keep:
-        kept = squad_study.keep_per_question(out, seeds, pathlib.Path(args.keep))
-        shutil.copyfile(out / "summary.json", pathlib.Path(args.keep) / "summary.json")
-        print(f"kept {len(kept)} per-question files and the summary in {args.keep}")
+    squad_study.write_summary(out, seeds, table, args.keep)
     print("\n" + markdown(table))
 
 

@@ -279,6 +279,16 @@ def keep_per_question(out: pathlib.Path, seeds: list[int], folder: pathlib.Path)
     return written
 
 
+def write_summary(out: pathlib.Path, seeds: list[int], table: dict, keep: str) -> None:
+    """Writes `out/summary.json`; with `keep` (a folder), copies it there with every row's
+    per-question records and results (`keep_per_question`)."""
+    files.write_atomic(out / "summary.json", json.dumps(table, indent=1).encode())
+    if keep:
+        kept = keep_per_question(out, seeds, pathlib.Path(keep))
+        shutil.copyfile(out / "summary.json", pathlib.Path(keep) / "summary.json")
+        print(f"kept {len(kept)} per-question files and the summary in {keep}")
+
+
 def markdown(table: dict, columns=COLUMNS, baseline: str = BASELINE) -> str:
     """The rows' means ± spreads over seeds, then each row's paired differences from
     `baseline` per seed with their 95% intervals."""
@@ -415,11 +425,7 @@ def main(argv=None):
             print(f"seed {seed}: stopped in row {results['preempted']}; the same command resumes")
             return
     table = summary(out, seeds)
-    files.write_atomic(out / "summary.json", json.dumps(table, indent=1).encode())
-    if args.keep:
-        kept = keep_per_question(out, seeds, pathlib.Path(args.keep))
-        shutil.copyfile(out / "summary.json", pathlib.Path(args.keep) / "summary.json")
-        print(f"kept {len(kept)} per-question files and the summary in {args.keep}")
+    write_summary(out, seeds, table, args.keep)
     print("\n" + markdown(table))
     print(f"\nwrote {out / 'summary.json'} and {out}/seed*/curves.png")
 
