@@ -87,7 +87,8 @@ def tokenize(text: str) -> list[str]:
     the text lowercased, its runs of two or more word characters (`(?u)\\b\\w\\w+\\b`, Unicode
     aware), minus bm25s's English stopwords. No stemming: "river" and "rivers" are two words.
     """
-    return [token for token in _TOKEN.findall(text.lower()) if token not in _stopwords()]
+    stopwords = _stopwords()
+    return [token for token in _TOKEN.findall(text.lower()) if token not in stopwords]
 
 
 def passage_text(passage: Passage) -> str:

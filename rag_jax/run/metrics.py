@@ -252,3 +252,17 @@ def merge_metrics(*metrics: Mapping[str, tuple[float, int]]) -> Metrics:
 def reduce_metrics(metrics: Mapping[str, tuple[float, int]]) -> dict[str, float]:
     """Means `sum / count` for logging; keys with count 0 (nothing was scored) are left out."""
     return {name: total / count for name, (total, count) in metrics.items() if count}
+
+
+def recall_ks(config) -> tuple[int, ...]:
+    """`config.eval.recall_ks` as integers, ascending and distinct."""
+    text = config.eval.recall_ks
+    try:
+        ks = sorted({int(k) for k in str(text).split(",") if k.strip()})
+    except ValueError:
+        raise ValueError(
+            f"config.eval.recall_ks={text!r}: expected integers, e.g. '1,5,20'"
+        ) from None
+    if not ks or ks[0] < 1:
+        raise ValueError(f"config.eval.recall_ks={text!r}: expected positive integers")
+    return tuple(ks)

@@ -16,6 +16,8 @@ from rag_jax import retriever_losses
 from rag_jax.devices import sharding
 from rag_jax.io import hf_format
 from rag_jax.models import bart, flash, remat
+from rag_jax.retrieval import sources
+from rag_jax.run import metrics
 from rag_jax.run.settings import SCHEMA, unknown_key_message
 
 
@@ -181,7 +183,7 @@ def _check_choices(config: ml_collections.ConfigDict) -> None:
         ("train.param_sharding", config.train.param_sharding, ("replicated", "fsdp")),
         ("retrieval.index_dtype", config.retrieval.index_dtype, ("", "float32", "bfloat16")),
         ("retrieval.device_storage", config.retrieval.device_storage, ("", "int8")),
-        ("retrieval.source", config.retrieval.source, ("dense", "bm25", "hybrid")),
+        ("retrieval.source", config.retrieval.source, sources.SOURCES),
     ]
     for key, value, allowed in choices:
         if value not in allowed:
@@ -336,6 +338,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int, *, paths: bool
     _check_keys(config)
     _check_sizes(config)
     _check_choices(config)
+    metrics.recall_ks(config)  # at start-up, not when the first evaluation reads it
     tc = config.train
     batches = {"train": ("global batch", tc.batch_size)}
     if config.eval.enabled:

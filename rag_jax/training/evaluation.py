@@ -237,20 +237,6 @@ def _memos(exp, rag_cfg, variant: str, params) -> tuple:
     return memo_decoding.GreedyMemo(rag_cfg, fingerprint, memo_directory(exp)), generator
 
 
-def recall_ks(config) -> tuple[int, ...]:
-    """`config.eval.recall_ks` as integers, ascending and distinct."""
-    text = config.eval.recall_ks
-    try:
-        ks = sorted({int(k) for k in str(text).split(",") if k.strip()})
-    except ValueError:
-        raise ValueError(
-            f"config.eval.recall_ks={text!r}: expected integers, e.g. '1,5,20'"
-        ) from None
-    if not ks or ks[0] < 1:
-        raise ValueError(f"config.eval.recall_ks={text!r}: expected positive integers")
-    return tuple(ks)
-
-
 @functools.cache
 def doc_scores_fn(rag_cfg: rag.RagConfig):
     """The jitted `fn(params, q_ids [B, Q], q_mask, doc_vectors [B, N, D]) -> [B, N]` doc

@@ -258,7 +258,7 @@ def _where(d, split: str, question_id: str) -> str:
     if d.source != "files" or not path:
         return f"the {split} questions"
     fields = dict(d.fields or {})
-    if pathlib.Path(path).suffixes[:1] == [".jsonl"] or path.endswith((".jsonl", ".jsonl.gz")):
+    if path.endswith((".jsonl", ".jsonl.gz")):
         key = fields.get("id", "id")
         for line_no, record in json_objects(path):
             if str(record.get(key)) == question_id:

@@ -37,7 +37,7 @@ from rag_jax.retrieval.retriever import Retriever
 from rag_jax.run import checkpoints, metrics, settings, validation
 from rag_jax.training import experiment, refresh
 from rag_jax.training.batcher import Batcher
-from rag_jax.training.evaluation import evaluate, recall_ks, summary_metrics
+from rag_jax.training.evaluation import evaluate, summary_metrics
 from rag_jax.training.optim import make_optimizer
 from rag_jax.training.step import (
     TrainState,
@@ -321,7 +321,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir) -> dict:
         generate = config.eval.answers if generate is None else generate
         return evaluate(
             exp, params, examples, mesh=mesh, variant=variant, retriever=retriever,
-            generate=generate, per_question=per_question, ks=recall_ks(config),
+            generate=generate, per_question=per_question, ks=metrics.recall_ks(config),
         )  # fmt: skip
 
     before_path = workdir / "eval_before.json"
