@@ -415,11 +415,11 @@ class Batcher:
         shape = hits.doc_ids.shape + (-1,)  # -> [B, N, S]
         context_ids, context_mask = self.contexts(hits)
         arrays = dict(fields, doc_vectors=hits.doc_vectors, labels=labels)
-        if self.memo is not None:  # the frozen generator's likelihoods replace its inputs
-            generator = state.params["generator"]
-            arrays["answer_logprobs"] = self.memo.logprobs(
-                generator, context_ids, context_mask, labels
-            )
+        if self.memo is not None:  # the frozen generator's likelihoods replace its inputs,
+            if c.train.retriever_loss != "gold":  # gold does not read them: they train nothing
+                arrays["answer_logprobs"] = self.memo.logprobs(
+                    state.params["generator"], context_ids, context_mask, labels
+                )
         else:
             arrays.update(
                 context_input_ids=context_ids.reshape(shape),

@@ -393,8 +393,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir) -> dict:
                 steps_per_s=count / elapsed, examples_per_s=count * tc.batch_size / elapsed
             )
             logger.write(step, values, "train/")
+            shown = "loss" if "loss" in values else "retriever_loss"  # a reader-free gold row
             bar.set_postfix(
-                loss=f"{values['loss']:.3f}",
+                **{shown: f"{values[shown]:.3f}"},
                 recall=f"{values.get(f'answer_recall@{exp.rag_cfg.n_docs}', 0):.2f}",
             )
             totals, last_log = {}, time.perf_counter()

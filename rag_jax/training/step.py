@@ -135,15 +135,16 @@ def searched_count(config) -> int:
 
 
 def rag_metrics(loss, aux, grads) -> dict:
-    """(sum, count) pairs of the joint step: NLL, doc entropy, gradient norms, and the
-    retriever's own loss when it has one."""
+    """(sum, count) pairs of the joint step: NLL (when a reader ran), doc entropy, gradient
+    norms, and the retriever's own loss when it has one."""
     del loss
     weights = aux["weights"]
     extra = {}
     if "retriever_loss" in aux:
         extra["retriever_loss"] = (jnp.sum(aux["retriever_loss"] * weights), jnp.sum(weights))
+    if "nll" in aux:  # not without a reader (the gold objective under a frozen generator)
+        extra["loss"] = (jnp.sum(aux["nll"] * weights), jnp.sum(weights))
     return extra | {
-        "loss": (jnp.sum(aux["nll"] * weights), jnp.sum(weights)),
         "doc_entropy": (jnp.sum(_entropy(aux["doc_scores"]) * weights), jnp.sum(weights)),
         "grad_norm": (optax.tree.norm(grads), jnp.ones(())),
         "question_grad_norm": (optax.tree.norm(grads["question_encoder"]), jnp.ones(())),
@@ -213,9 +214,17 @@ def _with_retriever_objective(rag_cfg, objective, variant, passage, params, batc
     towers = ("question_encoder", "passage_encoder")
     constant_towers = {k: jax.lax.stop_gradient(v) if k in towers else v for k, v in params.items()}
     first_docs = _flat(_first_docs(batch, n_docs))
-    generator_loss, aux = rag.loss_fn(
-        rag_cfg, constant_towers, first_docs, variant, rng, passage_cfg, first_layer
-    )
+    reader_free = "answer_logprobs" not in batch and "context_input_ids" not in batch
+    if reader_free and objective.loss != "gold":
+        raise ValueError(f"the {objective.loss!r} objective reads the reader: the batch has none")
+    if reader_free:  # gold under a frozen generator: its loss would train nothing (`Batcher`)
+        generator_loss = jnp.zeros(())
+        weights = batch.get("weights", jnp.ones(batch["question_input_ids"].shape[:1]))
+        aux = {"weights": weights}
+    else:
+        generator_loss, aux = rag.loss_fn(
+            rag_cfg, constant_towers, first_docs, variant, rng, passage_cfg, first_layer
+        )
     q_rng = None if rng is None else jax.random.split(rng)[0]  # the question's, as rag.loss_fn's
     q = rag.question_embeddings(
         rag_cfg, params, batch["question_input_ids"], batch["question_attention_mask"], q_rng
@@ -245,6 +254,7 @@ def _with_retriever_objective(rag_cfg, objective, variant, passage, params, batc
     total = jnp.sum(per_question * weights)
     mean = total if rag_cfg.reduce_loss else total / jnp.maximum(jnp.sum(weights), 1.0)
     aux = dict(aux, retriever_loss=per_question, candidate_scores=scores)
+    aux.setdefault("doc_scores", scores[:, :n_docs])  # the reader-free gold row's top N
     return generator_loss + mean, aux
 
 

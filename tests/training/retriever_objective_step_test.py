@@ -172,3 +172,40 @@ def test_the_default_objective_is_rags_one_loss():
     )(params)
     np.testing.assert_array_equal(loss, want_loss)
     jax.tree.map(np.testing.assert_array_equal, grads["question_encoder"], want["question_encoder"])
+
+
+def test_gold_under_a_frozen_generator_reads_no_reader():
+    """The gold objective with the generator frozen: a batch without contexts or likelihoods
+    (what the batcher sends) gives the question encoder the gradient of DPR's loss alone, by
+    `retriever_losses.gold` on its own; the generator's loss, which trains nothing, is left out.
+    Any other objective refuses such a batch."""
+    cfg, params, batch = _setup("causal")
+    rng = np.random.default_rng(3)
+    gold = dict(
+        gold_vectors=jnp.asarray(rng.normal(size=(B, D)), jnp.float32),
+        candidate_is_gold=jnp.asarray([[False, True, False, False, False], [False] * K]),
+    )
+    frozen = "^(passage_encoder/|generator/)"
+    objective = RetrieverObjective("gold", K, score_temperature=TAU_S)
+    bare = {k: v for k, v in batch.items() if not k.startswith("context")} | gold
+    loss, grads = _loss_grads(cfg, objective, frozen, bare, params)
+
+    def dpr(q_params):
+        p = dict(params, question_encoder=q_params)
+        q = rag.question_embeddings(cfg, p, batch["question_input_ids"],
+                                    batch["question_attention_mask"])  # fmt: skip
+        in_batch = q @ gold["gold_vectors"].T  # -> [B, B]
+        hard = jnp.where(gold["candidate_is_gold"], -jnp.inf,
+                         jnp.einsum("bd,bkd->bk", q, batch["doc_vectors"]))  # fmt: skip
+        logits = jnp.concatenate([in_batch, hard], axis=1) / TAU_S
+        return -jnp.mean(jnp.diagonal(jax.nn.log_softmax(logits, axis=-1)))
+
+    want_loss, want = jax.value_and_grad(dpr)(params["question_encoder"])
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
+    assert max(float(jnp.max(jnp.abs(x))) for x in jax.tree.leaves(want)) > 1e-4
+    jax.tree.map(_close, grads["question_encoder"], want)
+    # With the contexts, the same gradient (the generator's loss adds none to the tower).
+    _, with_reader = _loss_grads(cfg, objective, frozen, batch | gold, params)
+    jax.tree.map(_close, grads["question_encoder"], with_reader["question_encoder"])
+    with pytest.raises(ValueError, match="'pdist' objective reads the reader"):
+        _loss_grads(cfg, RetrieverObjective("pdist", K), frozen, bare, params)
