@@ -28,6 +28,7 @@ def main(argv):
     del argv
     # Imported here, not above: JAX and the models take 20-60 s to import on a cold machine, and
     # a mistyped setting or --help should answer before that (see below).
+    print("loading JAX and the models (20-60 s on a cold machine)", flush=True)
     from rag_jax.training import loop
 
     logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO

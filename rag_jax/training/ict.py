@@ -51,7 +51,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from rag_jax.devices.progress import Eta
+from rag_jax.devices.progress import EVERY_S, Eta
 from rag_jax.models import bert
 from rag_jax.retrieval import encode
 from rag_jax.run import checkpoints
@@ -368,6 +368,9 @@ def ict_warm_start(
     log, window = [], []
     queued = None  # the previous step's loss, while the device may still run it
     eta = Eta("ICT warm start", steps, "steps", start=int(state.step))
+    if jax.process_index() == 0:  # the first step compiles: say so rather than wait in silence
+        print(f"ICT warm start: {steps} steps of {batch_size} passages; compiling the step, "
+              f"then a line every {EVERY_S:.0f} s", flush=True)  # fmt: skip
     for step in range(int(state.step), steps):
         if progress is not None:
             progress.stop_if_requested(state, step, steps)
