@@ -7,8 +7,8 @@ r"""A retriever that learns a new domain from its reader: any corpus, COVID-QA t
 
 Every row is `experiments/configs/covidqa.py` (or `--config`, with `--set key=JSON` overrides for
 another corpus: any `passages.jsonl` + `questions.jsonl` with SQuAD-style fields and a `split`
-field, or a folder of .txt/.md documents as `data.corpus_path`) with the overrides of `ROWS`,
-the same data, models, reader warm start (cached in `<out>/cache`, shared by every row and seed)
+field, or a folder of .txt/.md documents as `data.corpus_path`) with the overrides of `ROWS`
+(`--set` ones win over a row's own), the same data, models, reader warm start (cached in `<out>/cache`, shared by every row and seed)
 and step budget. The reader is frozen in every row; what changes is where the candidates come
 from (`retrieval.source`: dense, bm25, hybrid) and what trains the question tower
 (`train.retriever_*`, `rag_jax/retriever_losses.py`):
@@ -17,7 +17,10 @@ from (`retrieval.source`: dense, bm25, hybrid) and what trains the question towe
   marginal_k16, pdist_k16        RAG's marginal / Atlas' and REPLUG's PDist over 16 candidates
                                  searched once by the initial tower (RA-DIT's fixed top-k);
   *_hybrid                       the same over BM25 and dense candidates fused (hybrid);
-  gold                           DPR's supervised loss (in-batch and hard negatives): the ceiling;
+  gold, gold_hybrid              DPR's supervised loss (in-batch and hard negatives) on the
+                                 question tower;
+  gold_towers(_hybrid)           both towers trained on the gold passages first: the ceiling;
+  ict(_hybrid)                   no labels, retriever only: the inverse cloze task on the corpus;
   pdist_k16_shuffled             control: the reader's likelihoods shuffled among candidates.
 Rows that train nothing run one step (one stands for any number).
 
@@ -25,6 +28,8 @@ Writes `<out>/seed<k>/<row>/per_question.jsonl` (gold recall@1/5/20, F1 and EM p
 `<out>/seed<k>/results.json`, and `<out>/summary.json` with every row's paired differences (95%
 bootstrap intervals on the same questions) from `frozen`, `bm25` and `hybrid_frozen`.
 `--keep docs/results/covidqa` copies the per-question records and summaries into the repository.
+`--holdout 0.2` chooses settings on train: the questions of a fifth of the train articles are
+evaluated, the rest trained on, and dev is never read (docs/training.md says what was chosen so).
 `--fill_memo dense|hybrid` first computes the frozen reader's likelihoods of every training
 question's 16 candidates (resumable; what the K-candidate rows read).
 """
@@ -44,6 +49,16 @@ CONFIGS = {"covidqa": squad_study._load_config("covidqa")}
 NOTHING = {"train.steps": 1, "train.retriever_lr_factor": 0.0}  # nothing trains
 HYBRID = {"retrieval.source": "hybrid"}
 FIXED, PDIST = squad_study.FIXED, squad_study.PDIST
+# DPR's supervised loss on the question tower over the fixed candidates (hard negatives) and the
+# batch's gold passages; it reads no reader (`Batcher.train_batch`). Its rate, 5e-6, was chosen
+# on train (`--holdout 0.2`) among 5e-6, 2e-5 and 5e-5 (docs/results/covidqa/README.md).
+GOLD = {"train.retriever_loss": "gold", **FIXED, "train.retriever_lr_factor": 0.05}
+# Both towers trained before the row (`warm_start.method`), at sentence-transformers' fine-tuning
+# rate (2e-5) and batch 32 (set, not chosen): on the training questions' gold passages (the
+# supervised ceiling; two epochs of 1,417), or, with no labels, ICT on the corpus (one epoch).
+TOWERS = {"warm_start.batch_size": 32, "warm_start.learning_rate": 2e-5}
+GOLD_TOWERS = {**TOWERS, "warm_start.method": "gold", "warm_start.steps": 88}
+ICT = {**TOWERS, "warm_start.method": "ict", "warm_start.steps": 184}
 
 ROWS = {
     "bm25": {**NOTHING, "retrieval.source": "bm25"},
@@ -55,7 +70,12 @@ ROWS = {
     "joint_hybrid": HYBRID,
     "marginal_k16_hybrid": {**FIXED, **HYBRID},
     "pdist_k16_hybrid": {**PDIST, **HYBRID},
-    "gold": {"train.retriever_loss": "gold", **FIXED},
+    "gold": GOLD,
+    "gold_hybrid": {**GOLD, **HYBRID},
+    "gold_towers": {**NOTHING, **GOLD_TOWERS},
+    "gold_towers_hybrid": {**NOTHING, **GOLD_TOWERS, **HYBRID},
+    "ict": {**NOTHING, **ICT},  # no labels, retriever only: ORQA's inverse cloze task
+    "ict_hybrid": {**NOTHING, **ICT, **HYBRID},
     "pdist_k16_shuffled": {**PDIST, "train.retriever_shuffle_reader": True},
     # The curve over training-set sizes: a seeded sample of the questions (nested in its size),
     # two epochs of it, recalls only; its memo is part of the whole set's.
@@ -67,6 +87,14 @@ ROWS = {
         "eval.every": 25,
         "eval.answers": False,
     },
+    "pdist_k16_hybrid_n400": {
+        **PDIST,
+        **HYBRID,
+        "data.max_train": 400,
+        "train.steps": 100,
+        "eval.every": 50,
+        "eval.answers": False,
+    },
 }
 COLUMNS = ("gold_recall@1", "gold_recall@5", "gold_recall@20", "f1", "exact_match")
 BASELINES = ("frozen", "bm25", "hybrid_frozen")  # each row's paired differences are from these
@@ -74,7 +102,17 @@ FILLS = {  # --fill_memo: the candidates whose reader likelihoods are computed a
     "dense": PDIST,
     "hybrid": {**PDIST, **HYBRID},
     "hybrid_n200": ROWS["pdist_k16_hybrid_n200"],
+    "hybrid_n400": ROWS["pdist_k16_hybrid_n400"],
 }
+
+
+def holdout(fraction: float) -> dict:
+    """The overrides that choose settings on train (`--holdout`): `data.eval_path` empty, so the
+    questions of `fraction` of the train split's articles, drawn by the seed, are evaluated and
+    those of the rest trained on; the eval split is never read."""
+    if not 0.0 < fraction < 1.0:
+        raise ValueError(f"--holdout {fraction}: a fraction of the train articles, in (0, 1)")
+    return {"data.eval_path": "", "data.eval_fraction": fraction}
 
 
 def summary(out: pathlib.Path, seeds: list[int]) -> dict:
@@ -108,16 +146,28 @@ def main(argv=None):
     parser.add_argument("--keep", default="", help="copy per-question records and summaries here")
     parser.add_argument("--caches", default="", help="the folder whose caches rows share")
     parser.add_argument("--fill_memo", default="", choices=("", *FILLS), help="fill first")
+    parser.add_argument(
+        "--holdout",
+        type=float,
+        default=0.0,
+        help="choose settings on train: evaluate on the questions of this fraction of the train "
+        "articles (held out whole, drawn by the seed) and train on the rest; the eval split unread",
+    )
     args = parser.parse_args(argv)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     unknown = set(args.rows.split(",")) - set(ROWS)
     if unknown:
         parser.error(f"unknown rows {sorted(unknown)}; choose from {sorted(ROWS)}")
-    selected = {name: ROWS[name] for name in args.rows.split(",")}
-    try:  # the --set values apply to the base config: a study folder keeps one
+    try:  # the --set values apply to the base config and over every row's own overrides
         sets = squad_study.parse_sets(args.set)
     except ValueError as e:
         parser.error(str(e))
+    selected = {name: {**ROWS[name], **sets} for name in args.rows.split(",")}
+    if args.holdout:
+        try:
+            holdout(args.holdout)
+        except ValueError as e:
+            parser.error(str(e))
     out = pathlib.Path(args.out).absolute()
     caches = pathlib.Path(args.caches).absolute() if args.caches else out
     seeds = [int(s) for s in args.seeds.split(",")]
@@ -125,6 +175,8 @@ def main(argv=None):
     def base_config(seed: int):
         config = CONFIGS[args.config].get_config(args.variant)
         config = settings.override(config, {**sets, "seed": seed})
+        if args.holdout:
+            config = settings.override(config, holdout(args.holdout))
         config.retrieval.cache_dir = str(caches / "index_cache")  # one encoding of the corpus
         return config
 

@@ -58,8 +58,9 @@ reader-without-k's log-likelihood, as Atlas' code takes it of FiD's. Per questio
 And one that does not learn from the reader, the supervised ceiling of a study's comparison:
 
   gold           DPR's loss (Karpukhin et al. 2020): the question's gold passage against the
-                 other questions' gold passages (in-batch negatives) and its own K candidates
-                 that are not gold (hard negatives),
+                 other questions' gold passages (in-batch negatives; one that is its own gold
+                 passage too is left out) and its own K candidates that are neither gold nor
+                 hold its answer (hard negatives, as DPR's hold none),
                  `-log softmax([q.g_1..q.g_B, s_k...] / tau_s)[own gold]`.
 
 For RAG-Token's reader `l_k` is the same per-candidate likelihood as for RAG-Sequence's. Every
@@ -300,6 +301,7 @@ def gold(
     doc_scores: jax.Array,
     candidate_is_gold: jax.Array,
     score_temperature: float,
+    in_batch_duplicate: jax.Array | None = None,
 ) -> jax.Array:
     """[B] DPR's loss: question b's own gold passage among every question's gold passages and
     its candidates that are not gold.
@@ -307,11 +309,17 @@ def gold(
     Args:
       in_batch_scores: [B, B] `score(question b, gold passage of question c)`.
       doc_scores: [B, K] the question's scores of its candidates.
-      candidate_is_gold: [B, K] bool, candidates that are the question's gold passage (left out:
-        the gold passage is in the first block already).
+      candidate_is_gold: [B, K] bool, candidates that are no negative of the question (left out):
+        its gold passage (in the first block already), or one holding its answer.
       score_temperature: tau_s.
+      in_batch_duplicate: [B, B] bool, whether question c's gold passage is question b's too (the
+        same passage, or a copy of it): left out of b's negatives. The diagonal is never left out.
     """
     hard = jnp.where(candidate_is_gold, -jnp.inf, doc_scores)  # -> [B, K]
+    b = in_batch_scores.shape[0]
+    others = ~jnp.eye(b, dtype=bool)
+    if in_batch_duplicate is not None:  # another question's gold that is this one's passage
+        in_batch_scores = jnp.where(in_batch_duplicate & others, -jnp.inf, in_batch_scores)
     logits = jnp.concatenate([in_batch_scores, hard], axis=-1) / score_temperature
     own = jnp.diagonal(in_batch_scores) / score_temperature  # [B]
     return jax.nn.logsumexp(logits, axis=-1) - own

@@ -344,6 +344,31 @@ def test_gold_is_dprs_loss_with_in_batch_and_hard_negatives():
     assert not np.any(np.asarray(grads[1])[is_gold])  # a retrieved gold is no negative
 
 
+def test_gold_leaves_out_another_questions_gold_that_is_its_own():
+    """Questions 0 and 2 share a gold passage: neither is the other's negative (DPR masks such
+    duplicates), question 1 still is; without the mask, the same loss as before."""
+    rng = np.random.default_rng(8)
+    in_batch, scores = rng.normal(size=(B, B)), rng.normal(size=(B, K))
+    is_gold = np.zeros((B, K), bool)
+    same = np.eye(B, dtype=bool)
+    same[0, 2] = same[2, 0] = True
+
+    def reference(ib, s):
+        out = []
+        for b in range(B):
+            logits = [ib[b, c] / TAU_S for c in range(B) if c == b or not same[b, c]]
+            logits += [s[b, k] / TAU_S for k in range(K)]
+            out.append(_log_sum_exp(logits) - ib[b, b] / TAU_S)
+        return np.array(out)
+
+    args = jnp.asarray(in_batch), jnp.asarray(scores), jnp.asarray(is_gold), TAU_S
+    got = np.asarray(gold(*args, jnp.asarray(same)))
+    np.testing.assert_allclose(got, reference(in_batch, scores), rtol=1e-5)
+    unmasked = np.asarray(gold(*args))
+    assert not np.allclose(got[[0, 2]], unmasked[[0, 2]])
+    np.testing.assert_allclose(got[1], unmasked[1], rtol=1e-6)
+
+
 def test_the_shuffled_reader_control_permutes_each_questions_candidates():
     from rag_jax.training.batcher import shuffled_candidates
 

@@ -17,7 +17,8 @@ every row: its answer likelihoods are memoised (`train.answer_memo`, `eval.answe
 
 The step budget is the SQuAD study's per question: 1,417 training questions, 360 steps of 8 (two
 epochs), the question tower at 5e-6 (`squad_objectives.py`'s rate, chosen there on a train slice;
-re-chosen here on train folds by `domain_study.py --choose`). Candidates: K = 16 per question
+a row's own rate is chosen here on train with `domain_study.py --holdout`, the questions of a fifth
+of the train articles held out). Candidates: K = 16 per question
 from the dense tower (`retrieval.candidates = "dense"`), or from BM25's and the dense tower's
 top-k together (`"hybrid"`).
 

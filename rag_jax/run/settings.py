@@ -203,11 +203,13 @@ SCHEMA: dict[str, dict[str, tuple]] = {
     "warm_start": {
         "method": (
             "ict",
-            "retriever warm start: ict (inverse cloze task on the passages, no QA pairs) | none",
+            "retriever warm start (both towers): ict (inverse cloze task on the passages, no QA "
+            "pairs) | gold (the training questions with their gold passages, in-batch "
+            "negatives: the supervised ceiling) | none",
         ),
-        "steps": (800, "ICT steps"),
-        "batch_size": (64, "ICT queries per step (B - 1 in-batch negatives each)"),
-        "learning_rate": (3e-3, "ICT peak learning rate"),
+        "steps": (800, "the retriever warm start's steps"),
+        "batch_size": (64, "its queries per step (B - 1 in-batch negatives each)"),
+        "learning_rate": (3e-3, "its peak learning rate"),
         "keep_prob": (0.1, "how often the query sentence stays in its passage (ORQA: 0.1)"),
         "cache_dir": ("", "where warm starts are cached by fingerprint; empty: the workdir"),
         "reader_steps": (

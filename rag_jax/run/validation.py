@@ -110,7 +110,7 @@ def _check_sizes(config: ml_collections.ConfigDict) -> None:
     sizes += [("eval.batch_size", config.eval.batch_size)]
     sizes += [("eval.num_beams", config.eval.num_beams)]
     sizes += [("eval.max_length", config.eval.max_length)]
-    if config.warm_start.method == "ict":
+    if config.warm_start.method in ("ict", "gold"):
         sizes += [("warm_start.steps", config.warm_start.steps)]
         sizes += [("warm_start.batch_size", config.warm_start.batch_size)]
     for key, value in sizes:
@@ -158,7 +158,7 @@ def _check_choices(config: ml_collections.ConfigDict) -> None:
         ("data.sample_by", config.data.sample_by, ("question", "article")),
         ("model.init", config.model.init, ("random", "pretrained", "hf_rag")),
         ("model.dtype", config.model.dtype, ("float32", "bfloat16")),
-        ("warm_start.method", config.warm_start.method, ("ict", "none")),
+        ("warm_start.method", config.warm_start.method, ("ict", "gold", "none")),
         ("warm_start.reader_data", config.warm_start.reader_data, ("synthetic", "files")),
         ("warm_start.reader_task", config.warm_start.reader_task, ("qa", "ssm", "qa+ssm")),
         ("model.generator_init", config.model.generator_init, ("random", "bert")),

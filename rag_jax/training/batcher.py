@@ -143,6 +143,19 @@ class TrainBatch:
     recall: dict  # answer recall@N over the global batch, as (sum, count)
 
 
+def no_negatives(examples, doc_ids: np.ndarray, ids, text) -> np.ndarray:
+    """[B, K] bool: which of each question's candidates `doc_ids` [B, K] the gold objective may
+    not push away: a gold passage of it (`ids[j]` in its gold ids), or one whose `text(j)` holds
+    one of its answers (`metrics.has_answer`; DPR's hard negatives hold none)."""
+    return np.array(
+        [
+            [ids[int(j)] in e.gold_ids or metrics.has_answer(e.answers, text(int(j))) for j in row]
+            for e, row in zip(examples, doc_ids, strict=True)
+        ],
+        bool,
+    ).reshape(doc_ids.shape)
+
+
 class Batcher:
     """Host-side batch assembly: tokens, labels and retrieval, deterministic in (seed, step).
 
@@ -319,7 +332,8 @@ class Batcher:
 
     def gold_arrays(self, examples, doc_ids: np.ndarray, retriever) -> dict[str, np.ndarray]:
         """The `gold` objective's inputs: each question's (first) gold passage's stored vector
-        [B, D] and which of its candidates [B, K] are a gold passage of it."""
+        [B, D] and which of its candidates [B, K] are no negative of it: a gold passage of it, or
+        one that holds one of its answers (DPR's hard negatives hold none)."""
         store = retriever.store
         rows = self._row_lookup(store)
         gold = []
@@ -331,9 +345,7 @@ class Batcher:
                     f"in the corpus (gold_ids {list(e.gold_ids)})"
                 )
             gold.append(known[0])
-        is_gold = np.array(
-            [[store.ids[int(j)] in e.gold_ids for j in row] for e, row in zip(examples, doc_ids)]
-        )
+        is_gold = no_negatives(examples, doc_ids, store.ids, store.text)
         vectors = np.asarray(retriever.vectors[np.array(gold)], np.float32)  # -> [B, D]
         return {"gold_vectors": vectors, "candidate_is_gold": is_gold}
 

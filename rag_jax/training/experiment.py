@@ -297,8 +297,8 @@ def build(config: ml_collections.ConfigDict, workdir, *, retriever: bool = True)
             f"config.rag.n_docs={rag_cfg.n_docs} exceeds the corpus size {len(store)}; use at "
             f"most {len(store)}"
         )
-    if config.warm_start.method == "ict":
-        params = warm_start.retriever(config, rag_cfg, p_cfg, params, q_tok, store, workdir)
+    if config.warm_start.method in ("ict", "gold"):
+        params = warm_start.retriever(config, rag_cfg, p_cfg, params, q_tok, store, workdir, train)
     if config.warm_start.reader_steps:
         params = warm_start.generator(config, rag_cfg, params, g_tok, workdir, world)
     exp = Experiment(

@@ -44,7 +44,7 @@ towers.
 import dataclasses
 import functools
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -220,12 +220,22 @@ def ict_batch(
     }
 
 
-def ict_loss(query_vectors: jax.Array, passage_vectors: jax.Array) -> tuple[jax.Array, jax.Array]:
+def ict_loss(
+    query_vectors: jax.Array,
+    passage_vectors: jax.Array,
+    scale: float = 1.0,
+    same: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array]:
     """In-batch softmax cross-entropy: query b's positive is passage b, the others are negatives.
 
     Args:
       query_vectors: [B, D] float32.
       passage_vectors: [B, D] float32.
+      scale: the scores are `scale * q . d`, as the retriever ranks (`rag.doc_score_scale`:
+        L2-normalised towers score cosines in [-1, 1], which a softmax at scale 1 barely tells
+        apart).
+      same: [B, B] bool, whether passage c is query b's positive too (a batch of questions that
+        share a gold passage): left out of b's negatives. None: every other passage is one.
 
     Returns:
       (mean loss, fraction of queries whose own passage scores highest), both [] float32.
@@ -235,7 +245,9 @@ def ict_loss(query_vectors: jax.Array, passage_vectors: jax.Array) -> tuple[jax.
             f"query_vectors {query_vectors.shape} and passage_vectors {passage_vectors.shape} "
             "must both be [B, D]"
         )
-    scores = jnp.einsum("bd,cd->bc", query_vectors, passage_vectors)  # -> [B, B]
+    scores = scale * jnp.einsum("bd,cd->bc", query_vectors, passage_vectors)  # -> [B, B]
+    if same is not None:
+        scores = jnp.where(same & ~jnp.eye(scores.shape[0], dtype=bool), -jnp.inf, scores)
     labels = jnp.arange(scores.shape[0])
     loss = optax.softmax_cross_entropy_with_integer_labels(scores, labels).mean()
     accuracy = (jnp.argmax(scores, axis=-1) == labels).mean()
@@ -244,7 +256,7 @@ def ict_loss(query_vectors: jax.Array, passage_vectors: jax.Array) -> tuple[jax.
 
 @functools.cache
 def _make_ict_step(cfg: bert.BertConfig, learning_rate: float, steps: int, deterministic: bool,
-                   seed: int):  # fmt: skip
+                   seed: int, scale: float = 1.0):  # fmt: skip
     """(optimizer, the jitted ICT step `(state, batch) -> (state, metrics)`), made by
     `training.step.make_step`. Cached, so warm starts with the same settings share one compiled
     step."""
@@ -267,7 +279,7 @@ def _make_ict_step(cfg: bert.BertConfig, learning_rate: float, steps: int, deter
             deterministic=deterministic,
             rngs={"dropout": p_rng},
         )  # -> [B, D]
-        loss, accuracy = ict_loss(q, d)
+        loss, accuracy = ict_loss(q, d, scale, batch.get("same"))
         return loss, accuracy
 
     # An "rbg" key (XLA's RngBitGenerator): on CPU the step compiles in about half the time.
@@ -294,6 +306,7 @@ def ict_warm_start(
     deterministic: bool = True,
     log_every: int = 10,
     progress: checkpoints.Progress | None = None,
+    scale: float = 1.0,
 ) -> tuple[dict, dict, list[dict]]:
     """Trains the question and passage towers with ICT on `passages`.
 
@@ -317,6 +330,7 @@ def ict_warm_start(
       deterministic: no dropout; when False, dropout at `cfg`'s rates with keys drawn from `seed`.
       log_every: steps per log entry; the last step is always logged.
       progress: where the warm start saves its state when stopped (SIGTERM) and resumes it from.
+      scale: the scores' scale (`ict_loss`), the retriever's `rag.doc_score_scale`.
 
     Returns:
       (question_params, passage_params, log), where each log entry is {"step": steps done,
@@ -358,7 +372,35 @@ def ict_warm_start(
         vocab_size=cfg.vocab_size,
     )
 
-    tx, step_fn = _make_ict_step(cfg, float(learning_rate), steps, deterministic, seed)
+    batches = functools.partial(
+        ict_batch, data, seed=seed, batch_size=batch_size, keep_prob=keep_prob
+    )
+    return train_towers(
+        "ICT warm start", cfg, question_params, passage_params, batches, steps=steps,
+        learning_rate=learning_rate, seed=seed, deterministic=deterministic, log_every=log_every,
+        progress=progress, scale=scale, unit=f"{batch_size} passages",
+    )  # fmt: skip
+
+
+def train_towers(
+    label: str,
+    cfg: bert.BertConfig,
+    question_params,
+    passage_params,
+    batches: Callable[..., dict],
+    *,
+    steps: int,
+    learning_rate: float,
+    seed: int,
+    deterministic: bool,
+    log_every: int,
+    progress: checkpoints.Progress | None,
+    scale: float,
+    unit: str,
+) -> tuple[dict, dict, list[dict]]:
+    """Both towers trained on `batches(step=k)` (query and passage ids and masks [B, L], and
+    optionally `same` [B, B]) by the in-batch loss (`ict_loss`); `ict_warm_start`'s returns."""
+    tx, step_fn = _make_ict_step(cfg, float(learning_rate), steps, deterministic, seed, scale)
     # Copies: the state is donated to the step, and the caller keeps its own trees intact.
     params = jax.tree.map(jnp.array, {"question": question_params, "passage": passage_params})
     state = init_state(params, tx)
@@ -367,15 +409,16 @@ def ict_warm_start(
 
     log, window = [], []
     queued = None  # the previous step's loss, while the device may still run it
-    eta = Eta("ICT warm start", steps, "steps", start=int(state.step))
+    eta = Eta(label, steps, "steps", start=int(state.step))
     if jax.process_index() == 0:  # the first step compiles: say so rather than wait in silence
-        print(f"ICT warm start: {steps} steps of {batch_size} passages; compiling the step, "
-              f"then a line every {EVERY_S:.0f} s", flush=True)  # fmt: skip
+        print(f"{label}: {steps} steps of {unit}; compiling the step, then a line every "
+              f"{EVERY_S:.0f} s", flush=True)  # fmt: skip
     for step in range(int(state.step), steps):
         if progress is not None:
             progress.stop_if_requested(state, step, steps)
-        batch = ict_batch(data, seed=seed, step=step, batch_size=batch_size, keep_prob=keep_prob)
-        inputs = {k: batch[k] for k in ("query_ids", "query_mask", "passage_ids", "passage_mask")}
+        batch = batches(step=step)
+        keys = ("query_ids", "query_mask", "passage_ids", "passage_mask", "same")
+        inputs = {k: batch[k] for k in keys if k in batch}
         state, metrics = step_fn(state, jax.device_put(inputs))
         window.append(metrics)
         # At most one step dispatched behind the running one: a stop request (SIGTERM) is
@@ -388,7 +431,7 @@ def ict_warm_start(
             loss = float(np.mean([m["loss"] for m in values]))
             if not np.isfinite(loss):
                 raise FloatingPointError(
-                    f"non-finite ICT loss {loss} in steps {step + 2 - len(values)}..{step + 1}"
+                    f"non-finite {label} loss {loss} in steps {step + 2 - len(values)}..{step + 1}"
                 )
             accuracy = float(np.mean([m["in_batch_accuracy"] for m in values]))
             log.append({"step": step + 1, "loss": loss, "in_batch_accuracy": accuracy})

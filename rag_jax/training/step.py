@@ -244,8 +244,9 @@ def _with_retriever_objective(rag_cfg, objective, variant, passage, params, batc
         in_batch = rag.doc_scores(
             q, jnp.broadcast_to(golds[None], (q.shape[0], *golds.shape)), rag_cfg.doc_score_scale
         )  # -> [B, B]
+        same = jnp.all(golds[:, None] == golds[None], axis=-1)  # -> [B, B], one stored vector
         per_question = retriever_losses.gold(
-            in_batch, scores, batch["candidate_is_gold"], objective.score_temperature
+            in_batch, scores, batch["candidate_is_gold"], objective.score_temperature, same
         )
     else:
         token_lp, scored = candidate_token_logprobs(rag_cfg, params, batch)

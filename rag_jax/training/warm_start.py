@@ -24,7 +24,7 @@ from rag_jax.retrieval.corpus import Passage, corpus_files, read_corpus
 from rag_jax.retrieval.tokenizer_id import tokenizer_fingerprint
 from rag_jax.run import checkpoints, data, settings, synthetic
 from rag_jax.run.index_build import workdir_store
-from rag_jax.training import ict, reader, salient
+from rag_jax.training import gold_pairs, ict, reader, salient
 
 # The reader warm start's world: another seed, so other entities and independently drawn facts.
 READER_WORLD_SEED_OFFSET = 1_000_003
@@ -64,10 +64,12 @@ def cache_dir(config, workdir) -> pathlib.Path:
     return pathlib.Path(config.warm_start.cache_dir or workdir) / "warm_start"
 
 
-def retriever(config, rag_cfg, passage_cfg, params, tokenizer, store, workdir) -> dict:
-    """`params` with both retriever towers after the ICT warm start on `store`'s passages."""
+def retriever(config, rag_cfg, passage_cfg, params, tokenizer, store, workdir, train=()) -> dict:
+    """`params` with both retriever towers after their warm start (`warm_start.method`): ICT on
+    `store`'s passages, or `gold`, the `train` questions with their gold passages
+    (`gold_pairs`)."""
     if passage_cfg != rag_cfg.question_encoder:
-        raise ValueError("the ICT warm start needs both towers to share one architecture")
+        raise ValueError("the retriever warm start needs both towers to share one architecture")
     w = config.warm_start
     names = ("question_encoder", "passage_encoder")
     towers = {k: params[k] for k in names}
@@ -81,7 +83,49 @@ def retriever(config, rag_cfg, passage_cfg, params, tokenizer, store, workdir) -
         "corpus": store.checksum,
         "question_encoder": encoder_id.encoder_fingerprint(passage_cfg, towers["question_encoder"]),
         "passage_encoder": encoder_id.encoder_fingerprint(passage_cfg, towers["passage_encoder"]),
+        "score_scale": rag_cfg.doc_score_scale,
     }
+    label = {"ict": "ICT warm start", "gold": "gold warm start"}[w.method]
+    common = dict(
+        steps=w.steps,
+        batch_size=w.batch_size,
+        learning_rate=w.learning_rate,
+        seed=settings.init_seed(config),
+        query_length=config.data.question_length,
+        passage_length=config.retrieval.passage_max_length,
+        passage_format=config.retrieval.passage_format,
+        deterministic=True,
+        scale=rag_cfg.doc_score_scale,
+    )
+    if w.method == "gold":
+        rows = {store.ids[i]: i for i in range(len(store))}
+        pairs = [(e.question, rows[g]) for e in train for g in e.gold_ids[:1] if g in rows]
+        if not pairs:
+            raise ValueError("warm_start.method='gold': no training question has a gold passage")
+        key["pairs"] = hashlib.sha256(json.dumps(pairs).encode()).hexdigest()
+
+        def compute(progress):
+            q_params, p_params, log = gold_pairs.gold_warm_start(
+                rag_cfg.question_encoder,
+                params["question_encoder"],
+                params["passage_encoder"],
+                tokenizer,
+                [q for q, _ in pairs],
+                [(store.title(r), store.text(r)) for _, r in pairs],
+                [r for _, r in pairs],
+                progress=progress,
+                **common,
+            )
+            last = log[-1]
+            print(
+                f"gold warm start: {w.steps} steps on {len(pairs)} questions, loss "
+                f"{last['loss']:.3f}, in-batch accuracy {last['in_batch_accuracy']:.3f}",
+                flush=True,
+            )
+            return {"question_encoder": q_params, "passage_encoder": p_params}, log
+
+        warm = cached(label, key, towers, compute, cache_dir(config, workdir))
+        return dict(params, **warm)
 
     def compute(progress):
         q_params, p_params, log = ict.ict_warm_start(
@@ -99,6 +143,7 @@ def retriever(config, rag_cfg, passage_cfg, params, tokenizer, store, workdir) -
             keep_prob=w.keep_prob,
             passage_format=config.retrieval.passage_format,
             progress=progress,
+            scale=rag_cfg.doc_score_scale,
         )
         last = log[-1]
         print(

@@ -11,6 +11,7 @@ import domain_study
 from rag_jax.io import hf_llama
 from rag_jax.retrieval import documents
 from rag_jax.run import paired, settings, validation
+from rag_jax.training import experiment, memo
 
 
 def test_every_row_is_a_valid_config_differing_only_in_its_overrides():
@@ -40,6 +41,25 @@ def test_the_covidqa_config_reads_its_splits(shared_data):
     unknown = settings.override(config.copy_and_resolve_references(), {"data.eval_split": "val"})
     with pytest.raises(ValueError, match=r"eval_split='val' is not one of data.splits"):
         validation.validate(unknown, 1, paths=True)
+
+
+def test_holdout_evaluates_held_out_train_articles_and_never_dev(shared_data):
+    if not (shared_data / "covidqa").is_dir():
+        pytest.skip(reason=f"COVID-QA not found in {shared_data}")
+    config = domain_study.CONFIGS["covidqa"].get_config()
+    config = settings.override(config, domain_study.holdout(0.2))
+    validation.validate(config, 1, paths=True)
+    train, evals, passages, _ = experiment._load_data(config)
+    lines = [json.loads(line) for line in open(config.data.train_path)]
+    split = {q["id"]: q["split"] for q in lines}
+    assert {split[e.id] for e in train + evals} == {"train"}
+    assert len(train) + len(evals) == sum(s == "train" for s in split.values())
+    title = {p.id: p.title for p in passages}
+    held = {title[e.gold_ids[0]] for e in evals}
+    assert held.isdisjoint(title[e.gold_ids[0]] for e in train)
+    assert len(held) == round(0.2 * 103)  # a fifth of the 103 train articles
+    with pytest.raises(ValueError, match="in \\(0, 1\\)"):
+        domain_study.holdout(1.0)
 
 
 def test_the_summary_pairs_each_row_with_every_baseline_of_its_seed(tmp_path):
@@ -102,10 +122,11 @@ def _toy_domain(shared_data, folder: pathlib.Path, articles: int = 2) -> tuple:
 
 
 @pytest.mark.slow  # SmolLM2 scores ~600 (question, passage) pairs and answers ~20 questions
-def test_the_whole_study_at_toy_size(shared_data, tmp_path):
+def test_the_whole_study_at_toy_size(shared_data, tmp_path, monkeypatch):
     """Two COVID-QA articles as a folder of plain documents: the no-training rows and PDist over
     hybrid candidates, filled ahead, with SmolLM2 read zero-shot; every row writes per-question
-    records with gold recall@1/5/20 and F1, and the summary pairs them."""
+    records with gold recall@1/5/20 and F1, and the summary pairs them; a later call adds the
+    gold row, which trains without the reader."""
     if not (shared_data / "covidqa").is_dir():
         pytest.skip(reason=f"COVID-QA not found in {shared_data}")
     try:
@@ -145,3 +166,17 @@ def test_the_whole_study_at_toy_size(shared_data, tmp_path):
     table = json.loads((out / "summary.json").read_text())
     assert "gold_recall@20" in table["pdist_k16_hybrid"]["versus_bm25"]["seed0"]
     assert (tmp_path / "kept" / "seed0" / "pdist_k16_hybrid.jsonl.gz").is_file()
+
+    # The supervised ceiling reads no reader in training: the frozen generator's likelihoods
+    # would train nothing (the reader still answers in its evaluation).
+    def refuse(*args, **kwargs):
+        raise AssertionError("the gold row asked the answer memo for the reader's likelihoods")
+
+    monkeypatch.setattr(memo.AnswerMemo, "logprobs", refuse)
+    domain_study.main([*argv[:4], "--rows", "gold_hybrid", *argv[8:]])
+    records = paired.read_per_question(out / "seed0" / "gold_hybrid" / "per_question.jsonl")
+    assert (
+        records.keys()
+        == paired.read_per_question(out / "seed0" / "frozen" / "per_question.jsonl").keys()
+    )
+    assert "gold_hybrid" in json.loads((out / "summary.json").read_text())

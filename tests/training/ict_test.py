@@ -178,6 +178,15 @@ def test_ict_loss_matches_numpy():
     assert accuracy < 1.0
     with pytest.raises(ValueError, match=r"\(3, 5\).*\(3, 4\)"):
         ict.ict_loss(jnp.asarray(q), jnp.asarray(d[:, :4]))
+    # Scaled scores (the retriever's doc_score_scale), and passage 0 query 1's positive too.
+    same = np.eye(3, dtype=bool)
+    same[1, 0] = True
+    scaled = 20.0 * scores
+    scaled[1, 0] = -np.inf
+    top = scaled.max(axis=1, keepdims=True)
+    log_z = np.log(np.exp(scaled - top).sum(axis=1)) + top[:, 0]
+    loss, _ = ict.ict_loss(jnp.asarray(q), jnp.asarray(d), 20.0, jnp.asarray(same))
+    np.testing.assert_allclose(loss, np.mean(log_z - np.diag(scaled)), rtol=1e-5)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -242,7 +251,7 @@ def trained(world, tok, cfg):
     loss_fn = ict.ict_loss
     ict._make_ict_step.cache_clear()  # a step compiled elsewhere would hide the trace
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(ict, "ict_loss", lambda q, d: traces.append(1) or loss_fn(q, d))
+        patch.setattr(ict, "ict_loss", lambda *args: traces.append(1) or loss_fn(*args))
         question_params, passage_params, log = ict.ict_warm_start(
             cfg, params, params, tok, _pairs(world, train_rows), steps=STEPS, batch_size=BATCH,
             learning_rate=LR, seed=0, query_length=Q, passage_length=P,

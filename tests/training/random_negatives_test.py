@@ -4,9 +4,9 @@ question, appended after its K candidates in the retriever's objective only."""
 import numpy as np
 import pytest
 
-from rag_jax.run import validation
+from rag_jax.run import data, validation
 from rag_jax.training import experiment, loop
-from rag_jax.training.batcher import Batcher, draw_negatives
+from rag_jax.training.batcher import Batcher, draw_negatives, no_negatives
 from rag_jax.training.step import candidate_count, searched_count
 from tiny_runs import first_batch, tiny_config
 
@@ -102,3 +102,22 @@ def test_batches_carry_the_candidates_then_the_negatives(built):
     for r in range(4 * 9):
         real = found.context_attention_mask[r] == 1
         np.testing.assert_array_equal(prompts[r], found.context_input_ids[r][real])
+
+
+def test_gold_hard_negatives_hold_no_answer():
+    """The gold objective's candidates that are no negative: a gold passage of the question, or
+    any passage holding one of its answers as whole words (DPR's hard negatives hold none)."""
+    ids = ["a_0", "a_1", "b_0", "b_1"]
+    texts = [
+        "the virus binds ACE2 receptors in the lung .",
+        "Binding to the ACE2 receptors, the virus enters cells.",
+        "masks reduce transmission",
+        "the receptors of the lung are many",
+    ]
+    examples = [
+        data.Example("what does it bind ?", ("ACE2 receptors",), "q0", ("a_0",)),
+        data.Example("what reduces it ?", ("masks",), "q1", ("b_0",)),
+    ]
+    doc_ids = np.array([[0, 1, 2, 3], [3, 2, 1, 0]])
+    got = no_negatives(examples, doc_ids, ids, texts.__getitem__)
+    np.testing.assert_array_equal(got, [[True, True, False, False], [False, True, False, False]])
