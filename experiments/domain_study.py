@@ -8,10 +8,10 @@ r"""A retriever that learns a new domain from its reader: any corpus, COVID-QA t
 Every row is `experiments/configs/covidqa.py` (or `--config`, with `--set key=JSON` overrides for
 another corpus: any `passages.jsonl` + `questions.jsonl` with SQuAD-style fields and a `split`
 field, or a folder of .txt/.md documents as `data.corpus_path`) with the overrides of `ROWS`
-(`--set` ones win over a row's own), the same data, models, reader warm start (cached in `<out>/cache`, shared by every row and seed)
-and step budget. The reader is frozen in every row; what changes is where the candidates come
-from (`retrieval.source`: dense, bm25, hybrid) and what trains the question tower
-(`train.retriever_*`, `rag_jax/retriever_losses.py`):
+(`--set` ones win over a row's own), the same data, models, reader warm start (cached in
+`<out>/cache`, shared by every row and seed) and step budget. The reader is frozen in every
+row; what changes is where the candidates come from (`retrieval.source`: dense, bm25, hybrid)
+and what trains the question tower (`train.retriever_*`, `rag_jax/retriever_losses.py`):
   bm25, frozen, hybrid_frozen    nothing trains: BM25, the bolt-on MiniLM, the two fused;
   joint                          RAG's marginal over the top 4, searched every step (the paper);
   marginal_k16, pdist_k16        RAG's marginal / Atlas' and REPLUG's PDist over 16 candidates
