@@ -163,20 +163,17 @@ def main(argv=None):
     except ValueError as e:
         parser.error(str(e))
     selected = {name: {**ROWS[name], **sets} for name in args.rows.split(",")}
-    if args.holdout:
-        try:
-            holdout(args.holdout)
-        except ValueError as e:
-            parser.error(str(e))
+    try:
+        held = holdout(args.holdout) if args.holdout else {}
+    except ValueError as e:
+        parser.error(str(e))
     out = pathlib.Path(args.out).absolute()
     caches = pathlib.Path(args.caches).absolute() if args.caches else out
     seeds = [int(s) for s in args.seeds.split(",")]
 
     def base_config(seed: int):
         config = CONFIGS[args.config].get_config(args.variant)
-        config = settings.override(config, {**sets, "seed": seed})
-        if args.holdout:
-            config = settings.override(config, holdout(args.holdout))
+        config = settings.override(config, {**sets, "seed": seed, **held})
         config.retrieval.cache_dir = str(caches / "index_cache")  # one encoding of the corpus
         return config
 

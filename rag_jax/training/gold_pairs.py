@@ -115,14 +115,9 @@ def gold_warm_start(
 ) -> tuple[dict, dict, list[dict]]:
     """Trains both towers on the pairs (`prepare_pairs`' arguments); `ict.ict_warm_start`'s
     returns. `batch_size` in [2, M]; the other arguments as `ict.ict_warm_start`'s."""
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"steps must be a positive int, got {steps!r}")
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 2:
-        raise ValueError(f"batch_size must be an int >= 2 (in-batch negatives), got {batch_size!r}")
+    ict.check_schedule(steps, batch_size, learning_rate)
     if batch_size > len(questions):
         raise ValueError(f"batch_size={batch_size} exceeds the {len(questions)} training pairs")
-    if not learning_rate > 0.0:
-        raise ValueError(f"learning_rate must be > 0, got {learning_rate!r}")
     data = prepare_pairs(
         tokenizer,
         questions,

@@ -340,10 +340,7 @@ def ict_warm_start(
       ValueError: an argument out of range, naming it.
       FloatingPointError: a non-finite loss, naming the step.
     """
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"steps must be a positive int, got {steps!r}")
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 2:
-        raise ValueError(f"batch_size must be an int >= 2 (in-batch negatives), got {batch_size!r}")
+    check_schedule(steps, batch_size, learning_rate)
     if not len(passages):
         raise ValueError("passages is empty: ICT needs at least batch_size passages")
     if batch_size > len(passages):
@@ -351,8 +348,6 @@ def ict_warm_start(
             f"batch_size={batch_size} exceeds the number of passages ({len(passages)}); "
             f"use batch_size <= {len(passages)}"
         )
-    if not learning_rate > 0.0:
-        raise ValueError(f"learning_rate must be > 0, got {learning_rate!r}")
     if not 0.0 <= keep_prob <= 1.0:
         raise ValueError(f"keep_prob must be in [0, 1], got {keep_prob!r}")
     for name, length in (("query_length", query_length), ("passage_length", passage_length)):
@@ -380,6 +375,17 @@ def ict_warm_start(
         learning_rate=learning_rate, seed=seed, deterministic=deterministic, log_every=log_every,
         progress=progress, scale=scale, unit=f"{batch_size} passages",
     )  # fmt: skip
+
+
+def check_schedule(steps, batch_size, learning_rate) -> None:
+    """Refuses, naming the value, what no in-batch warm start can run: steps < 1, a batch of
+    fewer than 2 (no negative), a rate <= 0."""
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"steps must be a positive int, got {steps!r}")
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 2:
+        raise ValueError(f"batch_size must be an int >= 2 (in-batch negatives), got {batch_size!r}")
+    if not learning_rate > 0.0:
+        raise ValueError(f"learning_rate must be > 0, got {learning_rate!r}")
 
 
 def train_towers(

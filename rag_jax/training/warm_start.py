@@ -11,6 +11,7 @@ and a resume, or another run sharing `cache_dir`, reuses it; any change recomput
 """
 
 import dataclasses
+import functools
 import hashlib
 import json
 import pathlib
@@ -86,74 +87,50 @@ def retriever(config, rag_cfg, passage_cfg, params, tokenizer, store, workdir, t
         "score_scale": rag_cfg.doc_score_scale,
     }
     label = {"ict": "ICT warm start", "gold": "gold warm start"}[w.method]
-    common = dict(
-        steps=w.steps,
-        batch_size=w.batch_size,
-        learning_rate=w.learning_rate,
-        seed=settings.init_seed(config),
-        query_length=config.data.question_length,
-        passage_length=config.retrieval.passage_max_length,
-        passage_format=config.retrieval.passage_format,
-        deterministic=True,
-        scale=rag_cfg.doc_score_scale,
-    )
     if w.method == "gold":
         rows = {store.ids[i]: i for i in range(len(store))}
         pairs = [(e.question, rows[g]) for e in train for g in e.gold_ids[:1] if g in rows]
         if not pairs:
             raise ValueError("warm_start.method='gold': no training question has a gold passage")
         key["pairs"] = hashlib.sha256(json.dumps(pairs).encode()).hexdigest()
-
-        def compute(progress):
-            q_params, p_params, log = gold_pairs.gold_warm_start(
-                rag_cfg.question_encoder,
-                params["question_encoder"],
-                params["passage_encoder"],
-                tokenizer,
-                [q for q, _ in pairs],
-                [(store.title(r), store.text(r)) for _, r in pairs],
-                [r for _, r in pairs],
-                progress=progress,
-                **common,
-            )
-            last = log[-1]
-            print(
-                f"gold warm start: {w.steps} steps on {len(pairs)} questions, loss "
-                f"{last['loss']:.3f}, in-batch accuracy {last['in_batch_accuracy']:.3f}",
-                flush=True,
-            )
-            return {"question_encoder": q_params, "passage_encoder": p_params}, log
-
-        warm = cached(label, key, towers, compute, cache_dir(config, workdir))
-        return dict(params, **warm)
+        run = functools.partial(
+            gold_pairs.gold_warm_start,
+            questions=[q for q, _ in pairs],
+            passages=[(store.title(r), store.text(r)) for _, r in pairs],
+            rows=[r for _, r in pairs],
+        )
+        what = f" on {len(pairs)} questions"
+    else:
+        passages = [(store.title(i), store.text(i)) for i in range(len(store))]
+        run = functools.partial(ict.ict_warm_start, passages=passages, keep_prob=w.keep_prob)
+        what = ""
 
     def compute(progress):
-        q_params, p_params, log = ict.ict_warm_start(
+        q_params, p_params, log = run(
             rag_cfg.question_encoder,
             params["question_encoder"],
             params["passage_encoder"],
             tokenizer,
-            [(store.title(i), store.text(i)) for i in range(len(store))],
             steps=w.steps,
             batch_size=w.batch_size,
             learning_rate=w.learning_rate,
             seed=settings.init_seed(config),
             query_length=config.data.question_length,
             passage_length=config.retrieval.passage_max_length,
-            keep_prob=w.keep_prob,
             passage_format=config.retrieval.passage_format,
-            progress=progress,
             scale=rag_cfg.doc_score_scale,
+            progress=progress,
         )
         last = log[-1]
         print(
-            f"ICT warm start: {w.steps} steps, loss {last['loss']:.3f}, in-batch accuracy "
+            f"{label}: {w.steps} steps{what}, loss {last['loss']:.3f}, in-batch accuracy "
             f"{last['in_batch_accuracy']:.3f}",
             flush=True,
         )
-        return {"question_encoder": q_params, "passage_encoder": p_params}
+        towers = {"question_encoder": q_params, "passage_encoder": p_params}
+        return towers, (log if w.method == "gold" else None)  # ICT's log is not kept
 
-    warm = cached("ICT warm start", key, towers, compute, cache_dir(config, workdir))
+    warm = cached(label, key, towers, compute, cache_dir(config, workdir))
     return dict(params, **warm)
 
 
