@@ -21,7 +21,8 @@ and what trains the question tower (`train.retriever_*`, `rag_jax/retriever_loss
                                  question tower;
   gold_towers(_hybrid)           both towers trained on the gold passages first: the ceiling;
   ict(_hybrid)                   no labels, retriever only: the inverse cloze task on the corpus;
-  pdist_k16_shuffled             control: the reader's likelihoods shuffled among candidates.
+  *_shuffled                     control: the reader's likelihoods shuffled among candidates;
+  *_cut                          control: the doc scores' gradient cut (nothing reaches a tower).
 Rows that train nothing run one step (one stands for any number).
 
 Writes `<out>/seed<k>/<row>/per_question.jsonl` (gold recall@1/5/20, F1 and EM per dev question),
@@ -60,6 +61,9 @@ TOWERS = {"warm_start.batch_size": 32, "warm_start.learning_rate": 2e-5}
 GOLD_TOWERS = {**TOWERS, "warm_start.method": "gold", "warm_start.steps": 88}
 ICT = {**TOWERS, "warm_start.method": "ict", "warm_start.steps": 184}
 
+SHUFFLED = {"train.retriever_shuffle_reader": True}  # the controls
+CUT = {"train.retriever_cut_gradient": True}
+
 ROWS = {
     "bm25": {**NOTHING, "retrieval.source": "bm25"},
     "frozen": NOTHING,
@@ -76,7 +80,10 @@ ROWS = {
     "gold_towers_hybrid": {**NOTHING, **GOLD_TOWERS, **HYBRID},
     "ict": {**NOTHING, **ICT},  # no labels, retriever only: ORQA's inverse cloze task
     "ict_hybrid": {**NOTHING, **ICT, **HYBRID},
-    "pdist_k16_shuffled": {**PDIST, "train.retriever_shuffle_reader": True},
+    "pdist_k16_shuffled": {**PDIST, **SHUFFLED},
+    "pdist_k16_hybrid_shuffled": {**PDIST, **HYBRID, **SHUFFLED},
+    "pdist_k16_cut": {**PDIST, **CUT},
+    "pdist_k16_hybrid_cut": {**PDIST, **HYBRID, **CUT},
     # The curve over training-set sizes: a seeded sample of the questions (nested in its size),
     # two epochs of it, recalls only; its memo is part of the whole set's.
     "pdist_k16_hybrid_n200": {

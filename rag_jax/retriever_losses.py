@@ -97,6 +97,9 @@ class RetrieverObjective:
         `random_negatives`): the objective spans K + R.
       lm_score: the reader's score r of pdist and the loops, one of `LM_SCORES`: "sum" (the
         answer's log-likelihood) or "mean" (per scored answer token, as Atlas' code).
+      cut_gradient: a control: the retriever's towers enter every loss as constants, so no
+        gradient reaches them through the doc scores (the step still applies the optimizer's
+        weight decay to them); what a row gains beyond this one came through the doc scores.
     """
 
     loss: str = "marginal"
@@ -105,6 +108,7 @@ class RetrieverObjective:
     score_temperature: float = 1.0
     random_negatives: int = 0
     lm_score: str = "sum"
+    cut_gradient: bool = False
 
     def __post_init__(self):
         if self.loss not in OBJECTIVES:
@@ -148,6 +152,7 @@ class RetrieverObjective:
             t.retriever_score_temperature,
             t.retriever_random_negatives,
             t.retriever_lm_score,
+            bool(t.retriever_cut_gradient),
         )
 
     def searched(self, n_docs: int) -> int:

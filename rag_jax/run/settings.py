@@ -388,6 +388,11 @@ SCHEMA: dict[str, dict[str, tuple]] = {
             "(permuted per step), so what the retriever learns is not the reader's feedback; "
             "needs train.answer_memo",
         ),
+        "retriever_cut_gradient": (
+            False,
+            "a control: the retriever's towers enter every loss as constants (the doc scores' "
+            "gradient cut), all else as the row; the optimizer still decays them",
+        ),
         "weight_decay": (0.01, "AdamW decoupled weight decay"),
         "no_decay": (r"(bias|scale|ln|final_logits_bias)", "paths without weight decay (regex)"),
         "adam_b1": (0.9, "AdamW beta1 (SGD momentum)"),

@@ -108,6 +108,7 @@ def _entropy(scores: jax.Array) -> jax.Array:
     return -jnp.sum(jnp.exp(logp) * logp, axis=-1)
 
 
+_TOWERS = ("question_encoder", "passage_encoder")  # the retriever's parameters
 _PER_DOC_TOKENS = (
     "context_input_ids",
     "context_attention_mask",
@@ -183,6 +184,8 @@ def joint_loss_fn(
         if labels is not None:
             fixed = labels(params, frozen, True, False)
             params = jax.tree.map(lambda p, f: jax.lax.stop_gradient(p) if f else p, params, fixed)
+        if objective.cut_gradient:  # the control: no gradient reaches the retriever
+            params = {k: jax.lax.stop_gradient(v) if k in _TOWERS else v for k, v in params.items()}
         if separate:
             return _with_retriever_objective(
                 rag_cfg, objective, variant, (passage_cfg, passage_first_layer), params, batch, rng
@@ -211,8 +214,9 @@ def _first_docs(batch: dict, n_docs: int) -> dict:
 def _with_retriever_objective(rag_cfg, objective, variant, passage, params, batch, rng):
     """`joint_loss_fn`'s loss when the retriever has an objective of its own (see there)."""
     n_docs, (passage_cfg, first_layer) = rag_cfg.n_docs, passage
-    towers = ("question_encoder", "passage_encoder")
-    constant_towers = {k: jax.lax.stop_gradient(v) if k in towers else v for k, v in params.items()}
+    constant_towers = {
+        k: jax.lax.stop_gradient(v) if k in _TOWERS else v for k, v in params.items()
+    }
     first_docs = _flat(_first_docs(batch, n_docs))
     reader_free = "answer_logprobs" not in batch and "context_input_ids" not in batch
     if reader_free and objective.loss != "gold":

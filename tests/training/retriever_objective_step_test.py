@@ -209,3 +209,23 @@ def test_gold_under_a_frozen_generator_reads_no_reader():
     jax.tree.map(_close, grads["question_encoder"], with_reader["question_encoder"])
     with pytest.raises(ValueError, match="'pdist' objective reads the reader"):
         _loss_grads(cfg, RetrieverObjective("pdist", K), frozen, bare, params)
+
+
+@pytest.mark.parametrize("loss", ["marginal", "pdist"])
+def test_the_cut_control_reaches_no_tower_and_leaves_the_generator_as_it_was(loss):
+    """`train.retriever_cut_gradient`: the retriever's towers get no gradient from the loss (RAG's
+    marginal or an objective of its own), the generator exactly the gradient it gets without the
+    cut, and the loss is unchanged."""
+    cfg, params, batch = _setup("bart")
+    candidates = N if loss == "marginal" else K
+    batch = _first(batch, candidates)
+    kwargs = dict(lm_temperature=TAU_G, score_temperature=TAU_S if loss != "marginal" else 1.0)
+    frozen = "^passage_encoder/"
+    loss_on, grads_on = _loss_grads(cfg, RetrieverObjective(loss, candidates, **kwargs), frozen,
+                                    batch, params)  # fmt: skip
+    cut = RetrieverObjective(loss, candidates, **kwargs, cut_gradient=True)
+    loss_cut, grads_cut = _loss_grads(cfg, cut, frozen, batch, params)
+    np.testing.assert_allclose(loss_cut, loss_on, rtol=1e-6)
+    assert any(np.any(x) for x in jax.tree.leaves(grads_on["question_encoder"]))
+    assert not any(np.any(x) for x in jax.tree.leaves(grads_cut["question_encoder"]))
+    jax.tree.map(_close, grads_cut["generator"], grads_on["generator"])
