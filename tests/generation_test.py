@@ -18,6 +18,7 @@ from rag_test import GEN, HF_IDS, B, N, T, _assert_same_tokens, inputs, models, 
 
 import hf_fixtures
 from rag_jax import generation, rag, sequence_candidates
+from rag_jax.devices import progress
 from rag_jax.io import hf
 from rag_jax.models import bart
 
@@ -312,6 +313,29 @@ def test_public_entry_points_compile_once_per_shape(models):
     assert rag.trace_counts() == before  # no retrace: one program each, cached
     rag.generate(cfg, params, *args, variant=variant, num_beams=3, **GEN)  # other settings
     assert rag.trace_counts()["generate"] == before["generate"] + 1
+
+
+def test_a_plain_call_that_compiles_says_so_and_a_cached_one_says_nothing(models, monkeypatch,
+                                                                          capfd):  # fmt: skip
+    """A README-style call of `rag.generate` with new settings says on stderr that it compiles,
+    then how long it took (the line comes after `FIRST_CALL_AFTER_S`, here 0); the same call
+    again runs the cached program and says nothing; `RAG_JAX_QUIET=1` silences the first."""
+    variant, _, cfg, params = models
+    x = inputs(cfg, seed=23)
+    args = (x["context_input_ids"], x["context_attention_mask"], x["doc_scores"])
+    monkeypatch.setattr(progress, "FIRST_CALL_AFTER_S", 0.0)
+    capfd.readouterr()
+    rag.generate(cfg, params, *args, variant=variant, num_beams=5, **GEN)
+    lines = capfd.readouterr().err.splitlines()
+    assert lines[0].startswith("rag.generate: compiling for new shapes or settings"), lines
+    assert lines[-1].startswith("rag.generate: compiled in "), lines
+    rag.generate(cfg, params, *args, variant=variant, num_beams=5, **GEN)
+    assert "rag.generate" not in capfd.readouterr().err
+    monkeypatch.setenv(progress.QUIET, "1")
+    traced = rag.trace_counts().get("nll", 0)
+    rag.nll(cfg, params, *args, x["labels"][:, :3], variant)  # a new shape: compiles, quietly
+    assert rag.trace_counts()["nll"] == traced + 1
+    assert "rag.nll" not in capfd.readouterr().err
 
 
 def _thorough(cfg, params, encoded, mask, doc_scores):

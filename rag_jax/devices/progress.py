@@ -6,11 +6,16 @@ says how far they are, how fast they go and when they will be done. `Eta` import
 package, so every layer may use it; only process 0 prints.
 """
 
+import os
+import sys
+import threading
 import time
 
 import jax
 
 EVERY_S = 30.0  # seconds between two lines of one phase
+QUIET = "RAG_JAX_QUIET"  # set to 1: library calls say nothing of their compiles
+FIRST_CALL_AFTER_S = 2.0  # a library call's compile shorter than this is not worth a line
 
 
 def duration(seconds: float) -> str:
@@ -102,4 +107,53 @@ class Compiling:
         self._thread.join()
         if exc[0] is None:
             self._say(f"compiled in {duration(time.monotonic() - self.began)}")
+        return False
+
+
+class FirstCall:
+    """Says on stderr what a plain call of a library entry point is doing when it compiles for
+    long: nothing for `after_s` seconds (a cached program, or a quick compile, says nothing),
+    then, once the call has traced (`traced()`), `<label>: compiling ...`, the seconds so far
+    every `every_s`, and the time it took when it returns.
+
+        with FirstCall("rag.generate", lambda: traces() != before):
+            out = _generate_jit(...)
+
+    Quiet on processes other than 0 and when the environment sets `RAG_JAX_QUIET=1`."""
+
+    def __init__(self, label: str, traced, after_s: float | None = None, every_s: float = 10.0):
+        self.label, self.traced, self.every_s = label, traced, every_s
+        self.after_s = FIRST_CALL_AFTER_S if after_s is None else after_s
+        self.said = False
+        self._stop = threading.Event()
+        self._thread = None
+
+    def _say(self, text: str) -> None:
+        print(text, file=sys.stderr, flush=True)
+
+    def _watch(self) -> None:
+        if self._stop.wait(self.after_s):
+            return
+        while not self.traced():  # a call running a cached program never traces: it ends first
+            if self._stop.wait(0.01):
+                return
+        self.said = True
+        self._say(f"{self.label}: compiling for new shapes or settings (once: later calls with "
+                  f"them reuse the program; {QUIET}=1 silences this)")  # fmt: skip
+        while not self._stop.wait(self.every_s):
+            self._say(f"  {self.label}: {duration(time.monotonic() - self.began)} so far")
+
+    def __enter__(self):
+        self.began = time.monotonic()
+        if os.environ.get(QUIET, "0") != "1" and jax.process_index() == 0:
+            self._thread = threading.Thread(target=self._watch, daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        if self.said and exc[0] is None:
+            self._say(f"{self.label}: compiled in {duration(time.monotonic() - self.began)}")
         return False

@@ -47,3 +47,24 @@ def test_compiling_says_what_then_the_seconds_then_how_long():
     with pytest.raises(RuntimeError), Compiling(1, "program", out=out):
         raise RuntimeError("the compile failed")
     assert not out.getvalue().splitlines()[-1].startswith("compiled in")  # a failure says no end
+
+
+def test_first_call_speaks_only_for_a_call_that_traced_and_took_long(monkeypatch, capsys):
+    def lines():
+        return capsys.readouterr().err.splitlines()
+
+    with progress.FirstCall("rag.generate", lambda: True, after_s=0.05, every_s=0.05):
+        time.sleep(0.3)  # a long compile
+    said = lines()
+    assert said[0].startswith("rag.generate: compiling for new shapes or settings")
+    assert any(line.strip().startswith("rag.generate: ") and "so far" in line for line in said)
+    assert said[-1].startswith("rag.generate: compiled in ")
+    with progress.FirstCall("rag.nll", lambda: False, after_s=0.05):
+        time.sleep(0.2)  # long, but a cached program: it never traced
+    with progress.FirstCall("rag.nll", lambda: True, after_s=5.0):
+        pass  # traced, but over before after_s
+    assert lines() == []
+    monkeypatch.setenv(progress.QUIET, "1")
+    with progress.FirstCall("rag.nll", lambda: True, after_s=0.0):
+        time.sleep(0.2)
+    assert lines() == []
