@@ -48,9 +48,12 @@ def test_settings_from_size_are_sane(count):
 
 @pytest.fixture(scope="module")
 def sample_built():
-    """A sample-trained index of 30,000 float16 64-d vectors and 400 held-out queries."""
+    """A sample-trained index of 30,000 float16 64-d vectors and 2,000 held-out queries.
+
+    ScaNN's k-means does not build the same tree twice from the same vectors: over 10 builds
+    recall@10 at the default settings ranged 0.90-0.93, so the tests hold for any of them."""
     count, dim = 30_000, 64
-    data = _clustered(count + 400, dim, 0)
+    data = _clustered(count + 2000, dim, 0)
     vectors, queries = data[:count].astype(np.float16), data[count:]
     ix = index.ScannIndex.build(vectors, build="sample", num_leaves=173, training_sample_size=9000)
     true_ids = index.ExactIndex(vectors).search(queries, 10)[1]
@@ -76,13 +79,15 @@ def test_sample_build_rescores_from_the_stored_vectors(sample_built):
 
 def test_sample_build_tuned_reaches_recall_and_round_trips(sample_built, tmp_path):
     vectors, queries, true_ids, ix = sample_built
-    # Tuned with a margin on 200 queries, so that 200 others, held out, reach 0.95.
-    tuned, recall = scann_index.tune(ix, queries[:200], true_ids[:200], recall=0.97)
+    # Tuned with a margin on 1,000 queries, so that 1,000 others, held out, reach 0.95. With 200
+    # and 200 a CI build fell to 0.924; at 1,000 over 10 builds the held-out recall stayed within
+    # 0.004 of the tuning recall, 0.973 at least (2026-12-07).
+    tuned, recall = scann_index.tune(ix, queries[:1000], true_ids[:1000], recall=0.97)
     assert (
         recall >= 0.97 and tuned.config["num_leaves_to_search"] >= ix.config["num_leaves_to_search"]
     )
     assert ix.config["num_leaves_to_search"] == 9  # tuning made a new index
-    assert scann_index.recall_at_k(tuned.search(queries[200:], 10)[1], true_ids[200:]) >= 0.95
+    assert scann_index.recall_at_k(tuned.search(queries[1000:], 10)[1], true_ids[1000:]) >= 0.95
 
     tuned.save(tmp_path / "ix")
     assert not os.path.exists(tmp_path / "ix" / "dataset.npy")  # no float32 copy in ScaNN
