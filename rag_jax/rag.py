@@ -48,17 +48,6 @@ def _is_concrete(x) -> bool:
     return not isinstance(x, jax.core.Tracer)
 
 
-def _announced(name: str, jitted, *args, **kwargs):
-    """`jitted(*args, **kwargs)`, the entry point `name`'s program; a plain call that compiles
-    for more than a few seconds says so on stderr while it does (`progress.FirstCall`). Under a
-    caller's own `jax.jit` it only traces into the caller's program, and says nothing."""
-    if not all(_is_concrete(x) for x in jax.tree.leaves(args)):
-        return jitted(*args, **kwargs)
-    before = _TRACES[name]
-    with progress.FirstCall(f"rag.{name}", lambda: _TRACES[name] != before):
-        return jitted(*args, **kwargs)
-
-
 @functools.partial(jax.jit, static_argnames="scale")
 def _doc_scores(question_emb, doc_emb, scale):
     _TRACES["doc_scores"] += 1
@@ -293,9 +282,7 @@ def nll(
         check_labels(np.asarray(labels), cfg.generator.vocab_size)
     reduce = cfg.reduce_loss if reduce is None else bool(reduce)
     exclude = cfg.exclude_bos_score if exclude_bos_score is None else bool(exclude_bos_score)
-    return _announced(
-        "nll",
-        _nll_jit,
+    return progress.announced("rag.nll", lambda: _TRACES["nll"], _nll_jit)(
         cfg,
         params,
         context_input_ids,
@@ -531,9 +518,7 @@ def generate(
         causal.check_generation(cfg, context_input_ids, context_attention_mask, resolved)
     if variant == "sequence" and sequence_decoding == "fast" and resolved["num_beams"] == 1:
         raise ValueError("fast decoding needs num_beams > 1")
-    return _announced(
-        "generate",
-        _generate_jit,
+    return progress.announced("rag.generate", lambda: _TRACES["generate"], _generate_jit)(
         cfg,
         params,
         context_input_ids,
@@ -594,16 +579,9 @@ def doc_posteriors(
         is a pad).
     """
     _check_contexts(context_input_ids, context_attention_mask, doc_scores, cfg.n_docs)
-    return _announced(
-        "doc_posteriors",
-        _doc_posteriors_jit,
-        cfg,
-        params,
-        context_input_ids,
-        context_attention_mask,
-        doc_scores,
-        labels,
-    )
+    announced = progress.announced("rag.doc_posteriors", lambda: _TRACES["doc_posteriors"],
+                                   _doc_posteriors_jit)  # fmt: skip
+    return announced(cfg, params, context_input_ids, context_attention_mask, doc_scores, labels)
 
 
 @functools.partial(jax.jit, static_argnums=0)

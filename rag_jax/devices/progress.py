@@ -157,3 +157,18 @@ class FirstCall:
         if self.said and exc[0] is None:
             self._say(f"{self.label}: compiled in {duration(time.monotonic() - self.began)}")
         return False
+
+
+def announced(label: str, traces, jitted):
+    """`jitted`, whose traces `traces()` counts, as a function that says what it does when a
+    plain call compiles for long (`FirstCall`); under a caller's own `jax.jit` it only traces
+    into the caller's program, and says nothing."""
+
+    def call(*args, **kwargs):
+        if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(args)):
+            return jitted(*args, **kwargs)
+        before = traces()
+        with FirstCall(label, lambda: traces() != before):
+            return jitted(*args, **kwargs)
+
+    return call
