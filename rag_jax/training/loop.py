@@ -330,6 +330,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir) -> dict:
     elif distributed.from_process0(before_path.is_file()):  # evaluate on all hosts or on none
         before = json.loads(before_path.read_text()) if before_path.is_file() else {}
     else:
+        print(f"evaluating {len(eval_examples)} questions before training", flush=True)
         before, _ = evaluate_now(state.params, retrievers.retriever)
         if jax.process_index() == 0:
             files.write_atomic(before_path, json.dumps(before).encode())

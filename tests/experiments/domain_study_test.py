@@ -4,11 +4,13 @@ and the whole study at toy size on COVID-QA's text (slow)."""
 import json
 import pathlib
 
+import flax.serialization
+import jax
 import numpy as np
 import pytest
 
 import domain_study
-from rag_jax.io import hf_llama
+from rag_jax.io import hf, hf_llama
 from rag_jax.retrieval import documents
 from rag_jax.run import paired, settings, validation
 from rag_jax.training import experiment, memo
@@ -180,3 +182,27 @@ def test_the_whole_study_at_toy_size(shared_data, tmp_path, monkeypatch):
         == paired.read_per_question(out / "seed0" / "frozen" / "per_question.jsonl").keys()
     )
     assert "gold_hybrid" in json.loads((out / "summary.json").read_text())
+
+    # The passage tower's top layers trained by the reader (`*_passages`), in a study of its own
+    # sharing the first one's caches (its memo: the same candidates, no new reader calls): the
+    # index is re-encoded every 2 steps from the head's parameters, which moved, while the trunk's
+    # are MiniLM's.
+    monkeypatch.undo()
+    second = tmp_path / "passages"
+    head = ["--rows", "pdist_k16_hybrid_passages", "--set=retrieval.refresh_every=2"]
+    domain_study.main(["--out", str(second), "--caches", str(out), *argv[2:4], *head, *argv[8:]])
+    row = second / "seed0" / "pdist_k16_hybrid_passages"
+    assert paired.read_per_question(row / "per_question.jsonl").keys() == records.keys()
+    snapshot = (row / "index_refresh" / "step_2.msgpack").read_bytes()
+    snapshot = flax.serialization.msgpack_restore(snapshot)
+    minilm = domain_study.CONFIGS["covidqa"].get_config().model.question_encoder_path
+    _, start = hf.load_bert(minilm)
+    layers = {k for k in snapshot if k.startswith("layer_")}
+    assert len(layers) == 6, sorted(snapshot)
+    moved = lambda name: (
+        not all(  # noqa: E731
+            np.array_equal(a, b)
+            for a, b in zip(jax.tree.leaves(snapshot[name]), jax.tree.leaves(start[name]))
+        )
+    )
+    assert {name for name in layers if moved(name)} == {"layer_4", "layer_5"}
