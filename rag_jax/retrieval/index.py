@@ -17,7 +17,9 @@ index only decides *which* passages, never their weights.
   exists.
 - `ScannIndex` (`rag_jax.retrieval.scann_index`, public here as `index.ScannIndex`): Google's
   ScaNN (partitioning + anisotropic hashing + exact reordering), defaults chosen from C following
-  ScaNN's rules of thumb; the host path for any corpus size.
+  ScaNN's rules of thumb; the host path for any corpus size. `build_and_save` tunes it to a
+  recall target on held-out queries before saving (`rag_jax.retrieval.scann_recall`), and the
+  loaded index says what was measured (`measured_recall`).
 - `DeviceIndex` (`rag_jax.retrieval.device_index`): vectors sharded over a mesh axis, per-shard
   top-k inside `jax.shard_map` (`lax.approx_max_k` on TPU), then a global merge; a pytree, so it
   can be an argument of a jitted step.
@@ -40,11 +42,12 @@ For a `DeviceIndex` passed as an argument of the jitted step, a new index of the
 
 from __future__ import annotations
 
+import functools
 import pathlib
 
 import numpy as np
 
-from rag_jax.retrieval import scann_shards
+from rag_jax.retrieval import scann_recall, scann_shards
 from rag_jax.retrieval.index_base import Index, check_vectors
 from rag_jax.retrieval.index_format import load_vectors, provenance, read_manifest, save_vectors
 from rag_jax.retrieval.scann_index import ScannIndex
@@ -229,29 +232,89 @@ def load(
     return ScannIndex.load(directory, expect, verify=verify)
 
 
-def index_vectors(out_dir, kind: str, encoder_fingerprint: str, corpus_checksum: str) -> dict:
+def index_vectors(
+    out_dir,
+    kind: str,
+    encoder_fingerprint: str,
+    corpus_checksum: str,
+    *,
+    recall: float = scann_recall.RECALL_TARGET,
+    queries=None,
+) -> dict:
     """Builds the host index of `kind` over the vectors folder `out_dir/vectors` (checked
-    against the provenance) into `out_dir/index`; returns the provenance."""
+    against the provenance) into `out_dir/index` (ScaNN to `recall` on `queries`: see
+    `build_and_save`); returns the provenance, and a ScaNN index's `measured_recall`."""
     from rag_jax.retrieval.vectors import load_vectors as load_vector_shards
 
     provenance = {"encoder_fingerprint": encoder_fingerprint, "corpus_checksum": corpus_checksum}
     vectors = load_vector_shards(pathlib.Path(out_dir) / "vectors", expect=provenance)
-    build_and_save(vectors, kind, pathlib.Path(out_dir) / "index", **provenance)
-    return provenance
+    built = build_and_save(
+        vectors, kind, pathlib.Path(out_dir) / "index", recall=recall, queries=queries, **provenance
+    )
+    measured = getattr(built, "measured_recall", None)
+    return provenance if measured is None else provenance | {"measured_recall": measured}
 
 
-def build_and_save(vectors, kind: str, directory: str, **provenance) -> Index:
+def build_and_save(
+    vectors,
+    kind: str,
+    directory: str,
+    *,
+    recall: float = scann_recall.RECALL_TARGET,
+    queries=None,
+    seed: int = 0,
+    **provenance,
+) -> Index:
     """Builds the host index of `kind` ("exact" or "scann") over `vectors` ([C, D]) with their
     provenance (`encoder_fingerprint`, `corpus_checksum`), saves it to `directory` (loadable
     with `load`) and returns it. ScaNN over more than `scann_shards.SHARD_ROWS` vectors is
-    built in shards, each saved before the next (bounded memory; a killed build resumes)."""
+    built in shards, each saved before the next (bounded memory; a killed build resumes).
+
+    ScaNN is built to a recall target (`scann_recall`): its settings are tuned until recall@10
+    on held-out queries, confirmed on a half not used to choose them, reaches `recall`; what was
+    measured is saved in the manifest (`measured_recall` after `load`). A target out of reach
+    raises `scann_recall.RecallNotReached` naming the best recall found, and nothing is saved:
+    an index already in `directory` stays as it was (a sharded build keeps its saved shards,
+    but without its manifest the folder does not load).
+
+    Args:
+      vectors: [C, D] passage vectors.
+      kind: "exact" or "scann".
+      directory: the index folder.
+      recall: ScaNN's recall@10 target, in [0, 1]; 0: ScaNN's size-based defaults, unmeasured.
+        An exact index ignores it (its recall is 1).
+      queries: [Q, D] query vectors to measure recall on (e.g. question-encoder outputs for
+        held-out questions), at least `scann_recall.MIN_QUERIES`; None: a stand-in drawn from
+        the corpus with `seed` (`scann_recall.stand_in_queries`, which says what it over- and
+        underestimates).
+      seed: the stand-in queries and the split into halves.
+      **provenance: `encoder_fingerprint`, `corpus_checksum`.
+    """
     if kind == "exact":
         built = ExactIndex(vectors, **provenance)
-    elif kind == "scann" and len(vectors) > scann_shards.SHARD_ROWS:  # saved shard by shard
-        return scann_shards.build_sharded(vectors, directory, log=print, **provenance)
-    elif kind == "scann":
-        built = ScannIndex.build(vectors, **provenance)
-    else:
+        built.save(str(directory))
+        return built
+    if kind != "scann":
         raise ValueError(f"kind must be 'exact' or 'scann', got {kind!r}")
+    if not 0 <= recall <= 1:
+        raise ValueError(f"recall must be in [0, 1] (0: not measured), got {recall}")
+    held = None
+    if recall:  # the ground truth: brute force over the same vectors
+        held = scann_recall.held_out(ExactIndex(vectors), queries, seed=seed)
+    if len(vectors) > scann_shards.SHARD_ROWS:  # saved shard by shard
+        tune_fn = None
+        if held is not None:
+            tune_fn = functools.partial(
+                scann_recall.tune_to_recall, held=held, target=recall, log=print
+            )
+        return scann_shards.build_sharded(
+            vectors, directory, log=print, tune_fn=tune_fn, **provenance
+        )
+    build_fn = functools.partial(ScannIndex.build, vectors, **provenance)
+    if held is None:
+        built = build_fn()
+    else:
+        built = scann_recall.build_to_recall(build_fn, held, recall, log=print)
+        print(f"ScaNN index: {scann_recall.describe(built.measured_recall)}")
     built.save(str(directory))
     return built

@@ -4,8 +4,10 @@ The manifest records the kind, count, dim, dtype, optional `encoder_fingerprint`
 `corpus_checksum`, and the byte size and sha256 of every file; it is sealed and written with the
 data files in one atomic swap (`rag_jax.retrieval.files`). An exact index (`ExactIndex`,
 `DeviceIndex`) keeps its vectors in `vectors.bin`, raw little-endian rows; a ScaNN index keeps
-ScaNN's serialised searcher. Reading refuses a manifest that disagrees with what the caller holds
-(`expect`) and a file whose size or hash disagrees with the manifest, naming each.
+ScaNN's serialised searcher, and its manifest its settings ("scann") and, when built to a recall
+target, what was measured ("measured_recall", `rag_jax.retrieval.scann_recall`). Reading
+refuses a manifest that disagrees with what the caller holds (`expect`) and a file whose size or
+hash disagrees with the manifest, naming each.
 
 Legend: C corpus size (passages), D embedding width.
 """

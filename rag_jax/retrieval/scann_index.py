@@ -42,6 +42,8 @@ from rag_jax.retrieval.index_format import (
 )
 
 SAMPLE_BUILD_MIN = 500_000  # from here a float32 copy of 768-d vectors passes 1.5 GB
+AH_FROM = 20_000  # ScaNN: brute force below ~20k points, asymmetric hashing from there
+TREE_FROM = 100_000  # ScaNN: partition into ~sqrt(C) leaves from ~100k points
 ADD_BATCH = 65_536  # rows added to a sample-trained searcher per call (192 MB of float32 at 768)
 _GATHER_QUERIES = 64  # queries rescored together: [64, reorder, D] float32 candidates at a time
 
@@ -55,7 +57,8 @@ def scann_defaults(count: int) -> dict:
     the user; the defaults here, 5% of the leaves and 100 candidates, are the proportions of the
     ScaNN README's example (100 of 2,000 leaves, reorder 100). On 200k clustered 768-d vectors
     (benchmarks/index.py) they give recall@10 0.99; half the leaves gives 0.96. `tune` raises
-    them on held-out queries where they miss a recall target.
+    them on held-out queries where they miss a recall target, and a build to a recall target
+    (`scann_recall.build_to_recall`, what `experiments/build_index.py` runs) starts from them.
 
     From `SAMPLE_BUILD_MIN` vectors the build trains on a sample ("build": "sample"): at least
     ScaNN's 100k, and 64 points per leaf (k-means needs tens of points a centre; at 21M,
@@ -65,7 +68,7 @@ def scann_defaults(count: int) -> dict:
       {"scoring": "brute_force" | "ah", "num_leaves": int (0: no tree), "num_leaves_to_search",
        "training_sample_size", "reorder": int (0: no reordering), "build": "whole" | "sample"}.
     """
-    if count < 20_000:
+    if count < AH_FROM:
         return {
             "scoring": "brute_force",
             "num_leaves": 0,
@@ -74,7 +77,7 @@ def scann_defaults(count: int) -> dict:
             "reorder": 0,
             "build": "whole",
         }
-    num_leaves = round(math.sqrt(count)) if count >= 100_000 else 0
+    num_leaves = round(math.sqrt(count)) if count >= TREE_FROM else 0
     sample = count >= SAMPLE_BUILD_MIN
     return {
         "scoring": "ah",
@@ -103,6 +106,9 @@ class ScannIndex(Index):
       config: the settings (`scann_defaults`' fields and the AH ones).
       vectors: [C, D] stored vectors a sample-trained index rescores against (None otherwise).
       ids: [C] int64, passage id of each searcher row of a sample-trained index (None otherwise).
+      measured_recall: what a build to a recall target measured at these settings (the
+        `scann_recall.measure` record: recall@k on held-out queries, their number and kind),
+        saved in the manifest; None when not measured or when the settings changed since.
     """
 
     kind = "scann"
@@ -118,6 +124,7 @@ class ScannIndex(Index):
         ids: np.ndarray | None = None,
         encoder_fingerprint: str | None = None,
         corpus_checksum: str | None = None,
+        measured_recall: dict | None = None,
     ):
         self.searcher = searcher
         self.count, self.dim = int(count), int(dim)
@@ -128,6 +135,7 @@ class ScannIndex(Index):
         self.vectors, self.ids = vectors, ids
         self.encoder_fingerprint = encoder_fingerprint
         self.corpus_checksum = corpus_checksum
+        self.measured_recall = None if measured_recall is None else dict(measured_recall)
 
     @classmethod
     def build(
@@ -276,7 +284,8 @@ class ScannIndex(Index):
     def with_search_settings(
         self, *, num_leaves_to_search: int | None = None, reorder: int | None = None
     ) -> ScannIndex:
-        """The same searcher with other query-time defaults (a new index; this one is unchanged).
+        """The same searcher with other query-time defaults (a new index, whose recall is not
+        measured; this one is unchanged).
 
         Raises:
           ValueError: leaves outside [1, num_leaves], or a reordering depth ScaNN cannot change
@@ -307,6 +316,12 @@ class ScannIndex(Index):
             ids=self.ids,
             **provenance,
         )
+
+    def with_measured_recall(self, record: dict) -> ScannIndex:
+        """The same index carrying `record` (`scann_recall.measure`'s) as its `measured_recall`."""
+        copy = self.with_search_settings()
+        copy.measured_recall = dict(record)
+        return copy
 
     def search(
         self,
@@ -393,9 +408,10 @@ class ScannIndex(Index):
                 np.save(os.path.join(tmp, _IDS), self.ids.astype("<i8", copy=False))
 
         dtype = "float32" if self.vectors is None else self.vectors.dtype.name
-        files.swap_dir(
-            directory, write_fn, new_manifest(self, dtype, scann=self.config), what="index"
-        )
+        manifest = new_manifest(self, dtype, scann=self.config)
+        if self.measured_recall is not None:
+            manifest["measured_recall"] = self.measured_recall
+        files.swap_dir(directory, write_fn, manifest, what="index")
 
     @classmethod
     def load(cls, directory: str, expect: dict | None = None, *, verify: bool = True) -> ScannIndex:
@@ -426,6 +442,7 @@ class ScannIndex(Index):
             config=manifest["scann"],
             vectors=vectors,
             ids=ids,
+            measured_recall=manifest.get("measured_recall"),
             **provenance(manifest),
         )
 
@@ -450,14 +467,8 @@ def tune(
       (the index with the settings reached, `ScannIndex.with_search_settings`; its recall@k).
       When no rung reaches `recall`, the best one, whose recall says so.
     """
-    leaves, depth = ix.config["num_leaves_to_search"], ix.config["reorder"]
-    if ix.config["num_leaves"]:
-        ladder = [(min(round(leaves * f), ix.config["num_leaves"]), depth) for f in _LEAF_STEPS]
-        ladder += [(ladder[-1][0], 2 * depth), (ladder[-1][0], 4 * depth)]
-    else:
-        ladder = [(None, depth * f) for f in (1, 2, 4, 8)]
     best = (None, -1.0)
-    for leaves, depth in dict.fromkeys(ladder):  # in order, each once
+    for leaves, depth in search_ladder(ix.config):
         candidate = ix.with_search_settings(num_leaves_to_search=leaves, reorder=depth)
         got = recall_at_k(candidate.search(queries, k)[1], true_ids)
         if got > best[1]:
@@ -465,6 +476,18 @@ def tune(
         if got >= recall:
             break
     return best
+
+
+def search_ladder(config: dict) -> list[tuple[int | None, int]]:
+    """`tune`'s query-time settings for an index of ScaNN settings `config`, cheapest first,
+    each once: [(num_leaves_to_search (None without a tree), reorder)]."""
+    leaves, depth = config["num_leaves_to_search"], config["reorder"]
+    if config["num_leaves"]:
+        ladder = [(min(round(leaves * f), config["num_leaves"]), depth) for f in _LEAF_STEPS]
+        ladder += [(ladder[-1][0], 2 * depth), (ladder[-1][0], 4 * depth)]
+    else:
+        ladder = [(None, depth * f) for f in (1, 2, 4, 8)]
+    return list(dict.fromkeys(ladder))
 
 
 def is_unit_norm(vectors: np.ndarray, rows: int = 10_000, tolerance: float = 1e-2) -> bool:
@@ -477,7 +500,13 @@ def is_unit_norm(vectors: np.ndarray, rows: int = 10_000, tolerance: float = 1e-
 
 def recall_at_k(ids: np.ndarray, true_ids: np.ndarray) -> float:
     """Mean fraction of each row's true ids found among its returned ids; both [Q, k]."""
-    return float(np.mean([len(set(a) & set(b)) / len(b) for a, b in zip(ids, true_ids)]))
+    return float(np.mean(recall_per_query(ids, true_ids)))
+
+
+def recall_per_query(ids: np.ndarray, true_ids: np.ndarray) -> np.ndarray:
+    """[Q] float64: the fraction of each row's true ids found among its returned ids; both
+    [Q, k]."""
+    return np.array([len(set(a) & set(b)) / len(b) for a, b in zip(ids, true_ids)])
 
 
 def _gather(vectors: np.ndarray, ids: np.ndarray) -> np.ndarray:

@@ -18,8 +18,9 @@ shard rescores its own `reorder` candidates, and the S top-k lists are merged by
 
 On disk: a folder with `manifest.json` (kind "scann_shards": count, dim, provenance, the shards'
 row ranges, and every file of the shards with its size and sha256, as each shard's own
-manifest sealed it) and `shard_00000/`, ... each a `ScannIndex` folder (`index.load` reads
-either kind).
+manifest sealed it; after a build to a recall target, the query-time settings it chose,
+"search", and what it measured, "measured_recall") and `shard_00000/`, ... each a `ScannIndex`
+folder (`index.load` reads either kind).
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ class ShardedScannIndex(Index):
       bounds: [S + 1] int64 row offsets.
       config: the first shard's ScaNN settings (what `scann_index.tune` reads and raises; every
         shard is set in proportion to its own leaves).
+      measured_recall: as `ScannIndex.measured_recall`, of the shards searched together.
     """
 
     kind = KIND
@@ -67,6 +69,7 @@ class ShardedScannIndex(Index):
         *,
         encoder_fingerprint: str | None = None,
         corpus_checksum: str | None = None,
+        measured_recall: dict | None = None,
     ):
         if not shards:
             raise ValueError("a sharded index needs at least one shard")
@@ -79,6 +82,7 @@ class ShardedScannIndex(Index):
         self.config = dict(shards[0].config)
         self.encoder_fingerprint = encoder_fingerprint
         self.corpus_checksum = corpus_checksum
+        self.measured_recall = None if measured_recall is None else dict(measured_recall)
 
     @property
     def nbytes(self) -> int:
@@ -88,7 +92,8 @@ class ShardedScannIndex(Index):
         self, *, num_leaves_to_search: int | None = None, reorder: int | None = None
     ) -> ShardedScannIndex:
         """Every shard searching the same fraction of its leaves as `num_leaves_to_search` is of
-        the first shard's (at least one), with `reorder` candidates (a new index)."""
+        the first shard's (at least one), with `reorder` candidates (a new index, whose recall is
+        not measured)."""
         shards = []
         for shard in self.shards:
             leaves = None
@@ -103,6 +108,15 @@ class ShardedScannIndex(Index):
             shards,
             encoder_fingerprint=self.encoder_fingerprint,
             corpus_checksum=self.corpus_checksum,
+        )
+
+    def with_measured_recall(self, record: dict) -> ShardedScannIndex:
+        """The same shards carrying `record` (`scann_recall.measure`'s) as `measured_recall`."""
+        return ShardedScannIndex(
+            self.shards,
+            encoder_fingerprint=self.encoder_fingerprint,
+            corpus_checksum=self.corpus_checksum,
+            measured_recall=record,
         )
 
     def search(self, queries, k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -136,6 +150,10 @@ class ShardedScannIndex(Index):
         for field in ("encoder_fingerprint", "corpus_checksum"):
             if getattr(self, field) is not None:
                 manifest[field] = getattr(self, field)
+        if self.measured_recall is not None:
+            # The shards were saved before the search settings were tuned: load applies these.
+            search = {name: self.config[name] for name in ("num_leaves_to_search", "reorder")}
+            manifest |= {"search": search, "measured_recall": self.measured_recall}
         return manifest
 
     @classmethod
@@ -177,7 +195,12 @@ class ShardedScannIndex(Index):
             if want != shard_files:
                 raise ValueError(f"{path}: its listing of {folder} disagrees with {rel}")
             shards.append(shard)
-        return cls(shards, **provenance(manifest))
+        loaded = cls(shards, **provenance(manifest))
+        if "search" in manifest:
+            loaded = loaded.with_search_settings(**manifest["search"])
+        if "measured_recall" in manifest:
+            loaded = loaded.with_measured_recall(manifest["measured_recall"])
+        return loaded
 
 
 def _carried(directory: pathlib.Path, count: int) -> dict:
@@ -199,6 +222,7 @@ def build_sharded(
     encoder_fingerprint: str | None = None,
     corpus_checksum: str | None = None,
     log=None,
+    tune_fn=None,
     **scann_kwargs,
 ) -> ShardedScannIndex:
     """Builds a `ShardedScannIndex` over `vectors` into `directory`, one shard at a time.
@@ -215,6 +239,10 @@ def build_sharded(
       shard_rows: rows a shard (default `SHARD_ROWS`).
       encoder_fingerprint, corpus_checksum: provenance for the manifests.
       log: called with a line per shard (e.g. `print`), or None.
+      tune_fn: called with the index once every shard is saved, before the manifest; returns
+        the index to finish (e.g. `scann_recall.tune_to_recall`'s, whose search settings and
+        measured recall the manifest records) or raises, leaving the folder unfinished (no
+        manifest: not loadable; started again, the saved shards are kept).
       **scann_kwargs: `ScannIndex.build` settings, applied to every shard.
 
     Raises:
@@ -257,6 +285,8 @@ def build_sharded(
     index = ShardedScannIndex(
         shards, encoder_fingerprint=encoder_fingerprint, corpus_checksum=corpus_checksum
     )
+    if tune_fn is not None:
+        index = tune_fn(index)
     manifest = index._manifest()
     manifest["files"] = _carried(directory, len(ranges))
     for i in range(len(ranges)):

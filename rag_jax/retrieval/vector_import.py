@@ -47,6 +47,7 @@ import ml_dtypes
 import numpy as np
 
 from rag_jax.retrieval import files, index
+from rag_jax.retrieval.scann_recall import RECALL_TARGET
 from rag_jax.retrieval.store import PassageStore
 from rag_jax.retrieval.store_edit import IdLookup
 from rag_jax.retrieval.vectors import FORMAT, NPY_DTYPES, VERSION, shard_name
@@ -497,17 +498,21 @@ def index_from_vectors(
     kind: str = "exact",
     encoder_fingerprint: str | None = None,
     dtype: str | None = None,
+    recall: float = RECALL_TARGET,
+    queries=None,
 ) -> dict:
     """Imported vectors -> `out_dir/vectors` (`import_vectors`) and `out_dir/index`.
 
     The index's manifest carries the vectors' `encoder_fingerprint` and the store's corpus
     checksum, as an index built from encoded vectors does, so `index.load(out_dir / "index",
     expect=...)` checks it the same way. The exact index is built on the memory-mapped shard
-    (float16 stays float16); ScaNN keeps its own float32 copy, as it always does.
+    (float16 stays float16); ScaNN keeps its own float32 copy, as it always does. ScaNN is
+    tuned to `recall`@10 on `queries` ([Q, D]; None: a stand-in) before it is saved
+    (`index.build_and_save`).
 
     Returns:
       {"vectors", "index": paths; "count": C, "dim": D, "dtype", "encoder_fingerprint",
-       "corpus_checksum"}.
+       "corpus_checksum"; ScaNN's "measured_recall" when measured}.
     """
     if kind not in ("exact", "scann"):
         raise ValueError(f"kind must be 'exact' or 'scann', got {kind!r}")
@@ -515,7 +520,14 @@ def index_from_vectors(
     manifest = import_vectors(
         source, store, out_dir / "vectors", encoder_fingerprint=encoder_fingerprint, dtype=dtype
     )
-    provenance = index.index_vectors(out_dir, kind, manifest["encoder_fingerprint"], store.checksum)
+    provenance = index.index_vectors(
+        out_dir,
+        kind,
+        manifest["encoder_fingerprint"],
+        store.checksum,
+        recall=recall,
+        queries=queries,
+    )
     return {
         "vectors": str(out_dir / "vectors"),
         "index": str(out_dir / "index"),

@@ -17,6 +17,7 @@ import socket
 from rag_jax.io import hf
 from rag_jax.retrieval import corpus, encoder_id, index, ingest
 from rag_jax.retrieval.encode import DEFAULT_MAX_LENGTH, encode_corpus
+from rag_jax.retrieval.scann_recall import RECALL_TARGET
 from rag_jax.retrieval.store import PassageStore
 from rag_jax.retrieval.vectors import load_vectors
 
@@ -70,6 +71,8 @@ def build_index(
     overwrite: bool = False,
     progress: bool = True,
     workers: int | None = None,
+    recall: float = RECALL_TARGET,
+    queries=None,
 ) -> dict:
     """Corpus file -> `out_dir/passages` (store), `out_dir/vectors`, `out_dir/index`.
 
@@ -91,10 +94,12 @@ def build_index(
       overwrite: replace a store or vectors of another corpus/encoder instead of refusing.
       progress: show the encoding progress bar.
       workers: processes tokenising a `.tsv` corpus (`retrieval.ingest`; default all cores).
+      recall, queries: ScaNN's recall@10 target and the [Q, D] query vectors it is measured on
+        (None: a stand-in), tuned and confirmed before it is saved (`index.build_and_save`).
 
     Returns:
       {"passages", "vectors", "index": paths; "count": C, "dim": D, "encoder_fingerprint",
-       "corpus_checksum"}.
+       "corpus_checksum"; ScaNN's "measured_recall" when measured}.
     """
     if kind not in ("exact", "scann"):
         raise ValueError(f"kind must be 'exact' or 'scann', got {kind!r}")
@@ -120,7 +125,14 @@ def build_index(
         overwrite=overwrite,
         progress=progress,
     )
-    provenance = index.index_vectors(out_dir, kind, manifest["encoder_fingerprint"], store.checksum)
+    provenance = index.index_vectors(
+        out_dir,
+        kind,
+        manifest["encoder_fingerprint"],
+        store.checksum,
+        recall=recall,
+        queries=queries,
+    )
     return {
         "passages": str(out_dir / "passages"),
         "vectors": str(out_dir / "vectors"),
