@@ -130,14 +130,85 @@ def answer_logits(
             f"prompts of {prompt} tokens and labels of {length} exceed the generator's "
             f"max_position_embeddings={cfg.generator.max_position_embeddings}"
         )
-    flat_context_ids, flat_context_mask = left_align(flat_context_ids, flat_context_mask)
-    flat_labels = jnp.repeat(labels, rows // batch, axis=0)  # -> [B * N, T]
-    ids = jnp.concatenate([flat_context_ids, flat_labels], axis=1)  # -> [B * N, S + T]
-    # Label padding follows the answer, so causality keeps it away from every scored position.
-    mask = jnp.concatenate([flat_context_mask, jnp.ones_like(flat_labels)], axis=1)
+    ids, mask = answer_rows(flat_context_ids, flat_context_mask, labels)
     model, variables = _model(cfg), {"params": params["generator"]}
     hidden, _ = model.apply(
         variables, ids, mask, llama.positions_from_mask(mask), method=llama.Llama.hidden
+    )
+    return model.apply(
+        variables, hidden[:, prompt - 1 : prompt + length - 1], method=llama.Llama.head
+    )
+
+
+def answer_rows(flat_context_ids, flat_context_mask, labels) -> tuple[jax.Array, jax.Array]:
+    """The rows `answer_logits` runs the decoder on: each prompt left-aligned, its question's
+    labels after it.
+
+    Every label column counts as a real token, padding included: label padding follows the
+    answer, so causality keeps it away from every scored position. A row's real tokens are thus
+    its prompt's and all T labels, contiguous at its end, and their positions (from the mask)
+    count from the first prompt token: they are the same whatever the prompt width S.
+
+    Args:
+      flat_context_ids: [B * N, S] prompts (padded on either side), row b * N + n.
+      flat_context_mask: [B * N, S].
+      labels: [B, T] answer token ids (pad in place of the ignore index).
+
+    Returns:
+      (ids [B * N, S + T] int, mask [B * N, S + T] int).
+    """
+    rows, batch = flat_context_ids.shape[0], labels.shape[0]
+    flat_context_ids, flat_context_mask = left_align(flat_context_ids, flat_context_mask)
+    flat_labels = jnp.repeat(labels, rows // batch, axis=0)  # -> [B * N, T]
+    ids = jnp.concatenate([flat_context_ids, flat_labels], axis=1)  # -> [B * N, S + T]
+    mask = jnp.concatenate([flat_context_mask, jnp.ones_like(flat_labels)], axis=1)
+    return ids, mask
+
+
+def answer_logits_from_states(
+    cfg, params: dict, flat_states, flat_mask, length: int, first_layer: int
+) -> jax.Array:
+    """`answer_logits` from the states the generator's first `first_layer` layers output: only
+    the layers above, the final norm and the LM head run.
+
+    The rows are `answer_rows`' (a prompt left-aligned in S columns, then the T labels), their
+    states `llama.Llama.trunk`'s. Only the real tokens' states matter (no real token attends to
+    padding, and positions come from the mask), so states computed for each row's real tokens
+    alone and right-aligned in the S + T columns with zeros before them
+    (`training.reader_trunk.ReaderTrunk.gather`) give `answer_logits`' logits.
+
+    Args:
+      cfg: the RAG config (its generator a `LlamaConfig`).
+      params: RAG parameters; only the generator's layers from `first_layer` up, its final norm
+        and its LM head (the embedding when tied) are read.
+      flat_states: [B * N, S + T, H] float, layer `first_layer - 1`'s output.
+      flat_mask: [B * N, S + T] 1 = a real token (`answer_rows`' mask).
+      length: T, the labels' width.
+      first_layer: F in [1, num_hidden_layers].
+
+    Returns:
+      [B * N, T, V] float32; position t predicts `labels[:, t]`.
+    """
+    if flat_states.ndim != 3 or flat_mask.shape != flat_states.shape[:2]:
+        raise ValueError(
+            f"flat_states {tuple(flat_states.shape)} must be [B * N, S + T, H] and flat_mask "
+            f"{tuple(flat_mask.shape)} [B * N, S + T]"
+        )
+    prompt = flat_states.shape[1] - length
+    if prompt < 1:
+        raise ValueError(
+            f"states of {flat_states.shape[1]} columns hold no prompt before {length} labels"
+        )
+    if first_layer < 1:  # layer 0 reads token ids (`answer_logits`)
+        raise ValueError(f"first_layer {first_layer} must be at least 1 for cached states")
+    model, variables = _model(cfg), {"params": params["generator"]}
+    hidden, _ = model.apply(
+        variables,
+        flat_states,
+        flat_mask,
+        llama.positions_from_mask(flat_mask),
+        first_layer=first_layer,
+        method=llama.Llama.hidden,
     )
     return model.apply(
         variables, hidden[:, prompt - 1 : prompt + length - 1], method=llama.Llama.head

@@ -417,6 +417,7 @@ class Llama(nn.Module):
         prefix: Prefix | None = None,
         past: Past | None = None,
         past_index: jax.Array | int = 0,
+        first_layer: int = 0,
     ) -> tuple[jax.Array, Past]:
         """The final-norm hidden states of `input_ids` and each layer's keys and values.
 
@@ -428,25 +429,73 @@ class Llama(nn.Module):
         differs, and is ignored).
 
         Args:
-          input_ids: [R, T] int.
+          input_ids: [R, T] int; or, with `first_layer` > 0, [R, T, H] the states layer
+            `first_layer - 1` outputs (`trunk`): the embeddings and the layers below are not
+            run. A real token's states do not depend on the padding around it, so states
+            computed for the row alone serve it padded.
           attention_mask: [R, T] 1 = real token (key padding of these tokens).
           positions: [R, T] int rotary positions.
-          prefix: shared prompt keys/values, or None.
-          past: the rows' cached keys/values, or None.
+          prefix: shared prompt keys/values, or None (only with `first_layer` 0).
+          past: the rows' cached keys/values, or None (only with `first_layer` 0).
           past_index: [] int, the past slot of the first of the T tokens.
+          first_layer: the first layer run; 0 runs the whole decoder from token ids.
 
         Returns:
           hidden: [R, T, H] in the compute dtype.
           kv: `Past` of the layers' own keys and values ([R, g, T, d] each without a past, the
-            updated past with one).
+            updated past with one), of the layers run (from `first_layer`).
         """
         cfg = self.config
-        if input_ids.ndim != 2 or attention_mask.shape != input_ids.shape:
+        if not 0 <= first_layer <= cfg.num_hidden_layers:
             raise ValueError(
-                f"input_ids {input_ids.shape} and attention_mask {attention_mask.shape} must "
-                "both be [R, T]"
+                f"first_layer {first_layer} must be in [0, {cfg.num_hidden_layers}] (the layers)"
             )
-        rows, length = input_ids.shape
+        if first_layer and (prefix is not None or past is not None):
+            raise ValueError("a prefix or a past needs every layer's keys (first_layer 0)")
+        x, kv = self._layers(
+            input_ids, attention_mask, positions, prefix, past, past_index, first_layer
+        )
+        return self.norm(x), kv
+
+    def trunk(
+        self, input_ids: jax.Array, attention_mask: jax.Array, positions: jax.Array, layers: int
+    ) -> jax.Array:
+        """The states layer `layers` - 1 outputs, before the final norm (what `hidden(...,
+        first_layer=layers)` reads in its place): the embedding and layers 0 .. `layers` - 1 run.
+
+        Args:
+          input_ids: [R, T] int.
+          attention_mask: [R, T] 1 = real token.
+          positions: [R, T] int rotary positions.
+          layers: F, in [0, num_hidden_layers].
+
+        Returns:
+          [R, T, H] in the compute dtype.
+        """
+        if not 0 <= layers <= self.config.num_hidden_layers:
+            raise ValueError(
+                f"layers {layers} must be in [0, {self.config.num_hidden_layers}] (the layers)"
+            )
+        return self._layers(input_ids, attention_mask, positions, None, None, 0, 0, layers)[0]
+
+    def _layers(
+        self, inputs, attention_mask, positions, prefix, past, past_index, first, stop=None
+    ) -> tuple[jax.Array, Past]:
+        """Layers `first` .. `stop` - 1 (default: the last) on token ids (`first` 0) or on the
+        states layer `first` - 1 output: (x [R, T, H] before the final norm, their `Past`)."""
+        cfg = self.config
+        stop = cfg.num_hidden_layers if stop is None else stop
+        wanted = (2, "[R, T] token ids") if first == 0 else (3, "[R, T, H] states")
+        if inputs.ndim != wanted[0] or attention_mask.shape != inputs.shape[:2]:
+            raise ValueError(
+                f"input_ids {inputs.shape} must be {wanted[1]} and attention_mask "
+                f"{attention_mask.shape} [R, T]"
+            )
+        if first and inputs.shape[2] != cfg.hidden_size:
+            raise ValueError(
+                f"states {inputs.shape} must be [R, T, H] with H = hidden_size {cfg.hidden_size}"
+            )
+        length = attention_mask.shape[1]
         angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(rope_frequencies(cfg))
         angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]  # -> [R, T, 1, d]
         dtype = jnp.dtype(cfg.dtype)
@@ -461,10 +510,11 @@ class Llama(nn.Module):
         else:
             slots = jnp.arange(past.keys[0].shape[2])
             own_mask = slots[None, :] <= past_index + query_pos[:, None]  # -> [T, L]
-        x = self.embed_tokens(input_ids)
+        # Cached states enter in the compute dtype (float32 storage of bfloat16 states is exact).
+        x = self.embed_tokens(inputs) if first == 0 else inputs.astype(dtype)
         kv_keys, kv_values = [], []
-        for i, layer in enumerate(self.layers):
-            x, (k, v) = layer(
+        for i in range(first, stop):
+            x, (k, v) = self.layers[i](
                 x,
                 cos,
                 sin,
@@ -477,7 +527,7 @@ class Llama(nn.Module):
             kv_values.append(v)
             if i + 1 == cfg.frozen_layers:
                 x = jax.lax.stop_gradient(x)  # the layers below are constants of the loss
-        return self.norm(x), Past(tuple(kv_keys), tuple(kv_values))
+        return x, Past(tuple(kv_keys), tuple(kv_values))
 
     def head(self, x: jax.Array) -> jax.Array:
         """[..., H] -> [..., V] float32 logits (accumulated in float32 under bfloat16)."""
