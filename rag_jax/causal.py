@@ -215,6 +215,41 @@ def answer_logits_from_states(
     )
 
 
+def reader_inputs(cfg, batch: dict) -> tuple[jax.Array, jax.Array, int]:
+    """What the generator reads in a training batch, and the layer it enters: a causal
+    generator's cached states "reader_states" [..., S + T, H] and "reader_mask" [..., S + T]
+    (its frozen layers' output, `training.reader_trunk`), entering layer `frozen_layers`; else
+    "context_input_ids" and "context_attention_mask" [..., S], entering at the embedding (0).
+
+    Returns:
+      (inputs, mask, first_layer); `answer_logits_from_states` reads the states.
+    """
+    if "reader_states" not in batch:
+        return batch["context_input_ids"], batch["context_attention_mask"], 0
+    first = cfg.generator.frozen_layers if cfg.causal else 0
+    if not first:
+        raise ValueError(
+            "reader_states are a causal generator's frozen layers' output: they need a causal "
+            f"generator with frozen_layers > 0 (causal: {cfg.causal}, frozen_layers: "
+            f"{getattr(cfg.generator, 'frozen_layers', None)})"
+        )
+    return batch["reader_states"], batch["reader_mask"], first
+
+
+def memo_nll(cfg, answer_logprobs, scores, labels, variant: str) -> jax.Array:
+    """[B] the NLL of a frozen causal generator's answer log-probs [B, N, T] (`training.memo`)
+    under the doc scores [B, N], as `rag.loss_fn` computes it from the logits."""
+    if not cfg.causal or cfg.label_smoothing:
+        raise ValueError(
+            "answer_logprobs (a memoised frozen generator) need a causal generator and "
+            f"label_smoothing=0 (causal: {cfg.causal}, label_smoothing: {cfg.label_smoothing})"
+        )
+    labels = jnp.asarray(labels, jnp.int32)
+    labels = jnp.where(labels == IGNORE_INDEX, cfg.pad_token_id, labels)
+    scored = label_mask(labels, cfg.generator.eos_token_id, cfg.pad_token_id)
+    return rag_math.nll_from_token_logprobs(answer_logprobs, scores, scored, variant)
+
+
 class _Prompts:
     """The prompts' cached keys and values and their last tokens, for decoding and rescoring."""
 

@@ -327,9 +327,11 @@ def _nll(
     variant: str,
     reduce: bool,
     exclude_bos_score: bool,
+    first_layer: int = 0,
 ):
     """`nll` without the argument checks, traceable: the ignore index is read as pad, and an
-    example with an id outside the vocabulary gets a NaN loss."""
+    example with an id outside the vocabulary gets a NaN loss. With `first_layer` F > 0 the
+    contexts are a causal generator's states entering layer F (`causal.reader_inputs`)."""
     labels = jnp.asarray(labels, jnp.int32)
     ignored = labels == IGNORE_INDEX
     invalid = ((labels < 0) & ~ignored) | (labels >= cfg.generator.vocab_size)
@@ -339,9 +341,14 @@ def _nll(
     if cfg.causal:
         common.update(aligned=True, target_mask=_answer_mask(cfg, labels))
     labels = jnp.where(ignored, cfg.pad_token_id, labels)
-    seq_logits = generator_logits(
-        cfg, params, context_input_ids, context_attention_mask, labels, dropout_rng
-    )
+    if first_layer:  # only the layers from F up run (`causal.answer_logits_from_states`)
+        seq_logits = causal.answer_logits_from_states(
+            cfg, params, context_input_ids, context_attention_mask, labels.shape[1], first_layer
+        )
+    else:
+        seq_logits = generator_logits(
+            cfg, params, context_input_ids, context_attention_mask, labels, dropout_rng
+        )
     if variant == "sequence":
         per_example = rag_math.rag_sequence_nll(
             seq_logits,
@@ -360,21 +367,6 @@ def _nll(
 def _answer_mask(cfg: RagConfig, labels: jax.Array) -> jax.Array:
     """[B, T] the scored positions of a causal generator's labels (`causal.label_mask`)."""
     return causal.label_mask(labels, cfg.generator.eos_token_id, cfg.pad_token_id)
-
-
-def _memo_nll(cfg: RagConfig, answer_logprobs, scores, labels, variant: str) -> jax.Array:
-    """[B] the NLL of a frozen causal generator's answer log-probs [B, N, T] (`training.memo`)
-    under the doc scores, as `_nll` computes it from the logits."""
-    if not cfg.causal or cfg.label_smoothing:
-        raise ValueError(
-            "answer_logprobs (a memoised frozen generator) need a causal generator and "
-            f"label_smoothing=0 (causal: {cfg.causal}, label_smoothing: {cfg.label_smoothing})"
-        )
-    labels = jnp.asarray(labels, jnp.int32)
-    labels = jnp.where(labels == IGNORE_INDEX, cfg.pad_token_id, labels)
-    return rag_math.nll_from_token_logprobs(
-        answer_logprobs, scores, _answer_mask(cfg, labels), variant
-    )
 
 
 def loss_fn(
@@ -396,10 +388,12 @@ def loss_fn(
         "context_input_ids": [B * N, S], "context_attention_mask": [B * N, S],
         "labels": [B, T], optional "weights": [B] (0 for padding rows)}; a frozen causal
         generator's "answer_logprobs" [B, N, T] (`training.memo`) may replace the contexts:
-        the loss then needs no generator pass. With a trainable
-        passage encoder, "passage_input_ids" / "passage_attention_mask" [B * N, P] (its tokens of
-        the retrieved passages) replace the stored vectors: the doc vectors are recomputed from
-        `params["passage_encoder"]`, so the loss's gradient reaches it too.
+        the loss then needs no generator pass; so may "reader_states" [B * N, S + T, H] and
+        "reader_mask", its frozen layers' output (`training.reader_trunk`): only the layers
+        above run. With a trainable passage encoder, "passage_input_ids" /
+        "passage_attention_mask" [B * N, P] (its tokens of the retrieved passages) replace the
+        stored vectors: the doc vectors are recomputed from `params["passage_encoder"]`, so the
+        loss's gradient reaches it too.
       dropout_rng: enables dropout in both halves when given.
       passage_cfg: the passage encoder's config; needed with "passage_input_ids".
       passage_first_layer: the layer "passage_states" [B * N, P, H] enter when they replace the
@@ -435,22 +429,25 @@ def loss_fn(
         )
     scores = rag_math.doc_scores(q, docs, cfg.doc_score_scale)  # -> [B, N]
     if "answer_logprobs" in batch:  # a frozen causal generator's memoised likelihoods
-        per_example = _memo_nll(cfg, batch["answer_logprobs"], scores, batch["labels"], variant)
-    else:
-        _check_contexts(
-            batch["context_input_ids"], batch["context_attention_mask"], scores, cfg.n_docs
+        per_example = causal.memo_nll(
+            cfg, batch["answer_logprobs"], scores, batch["labels"], variant
         )
+    else:
+        inputs, mask, first = causal.reader_inputs(cfg, batch)  # its tokens, or cached states
+        if not first:
+            _check_contexts(inputs, mask, scores, cfg.n_docs)
         per_example = _nll(
             cfg,
             params,
-            batch["context_input_ids"],
-            batch["context_attention_mask"],
+            inputs,
+            mask,
             scores,
             batch["labels"],
             g_rng,
             variant=variant,
             reduce=False,
             exclude_bos_score=cfg.exclude_bos_score and variant == "sequence",
+            first_layer=first,
         )
     weights = batch.get("weights", jnp.ones_like(per_example))
     total = jnp.sum(per_example * weights)

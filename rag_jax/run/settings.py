@@ -412,6 +412,13 @@ SCHEMA: dict[str, dict[str, tuple]] = {
             "computed once and reused exactly (training.memo, kept in warm_start.cache_dir); "
             "needs train.freeze to cover generator/, host-side retrieval, label_smoothing 0",
         ),
+        "reader_trunk": (
+            False,
+            "a causal reader's top model.generator_trained_layers layers train on its frozen "
+            "lower layers' states of every training question's fixed candidates, computed once "
+            "(training.reader_states, in retrieval.cache_dir or the workdir); needs "
+            "train.retriever_fixed_candidates, data.target='first'",
+        ),
         "freeze": (
             r"^(passage_encoder/|generator/final_logits_bias)",
             "frozen parameter paths (regex): the passage encoder (stored vectors stay valid) "

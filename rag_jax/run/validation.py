@@ -330,6 +330,57 @@ def _check_retriever_objective(config: ml_collections.ConfigDict) -> None:
         )
 
 
+def _check_reader_trunk(config: ml_collections.ConfigDict) -> None:
+    """`train.reader_trunk` caches the reader's frozen layers' states of rows fixed before
+    training: a causal reader trained in its top layers only, its embedding frozen, fixed
+    candidates found by a host search, fixed labels (`training.reader_states` checks the rest
+    once the reader is built)."""
+    t, m, r = config.train, config.model, config.retrieval
+    if not t.reader_trunk:
+        return
+    name = "config.train.reader_trunk"
+    if m.init == "hf_rag" or not m.generator_path:
+        raise ValueError(
+            f"{name} caches a causal reader's lower layers' states, but the generator is BART "
+            f"(model.init={m.init!r}, model.generator_path={m.generator_path!r}): set "
+            "config.model.generator_path to a Llama-family checkpoint"
+        )
+    if not m.generator_trained_layers:
+        raise ValueError(
+            f"{name} trains the reader's top layers on its lower ones' cached states: set "
+            "config.model.generator_trained_layers=k (the top k train, the rest stay frozen)"
+        )
+    if not t.retriever_fixed_candidates:
+        raise ValueError(
+            f"{name} computes the reader's states of each question's candidates before "
+            "training: set config.train.retriever_fixed_candidates=True (candidates searched "
+            "every step are not known ahead)"
+        )
+    if (r.index == "device" and r.search_in_step and not r.refresh_every) or config.rag.closed_book:
+        raise ValueError(
+            f"{name} needs each question's candidates fixed by a host search before training, "
+            "not searched by the step (retrieval.index='device' with retrieval.search_in_step) "
+            "nor closed book"
+        )
+    if config.data.target != "first":
+        raise ValueError(
+            f"{name} caches the states of each question's answer, but config.data.target="
+            f"{config.data.target!r} changes it with the step: use 'first'"
+        )
+    if t.answer_memo:
+        raise ValueError(
+            f"{name} trains the reader's top layers; config.train.answer_memo holds a frozen "
+            "reader's likelihoods: set one of them"
+        )
+    embedding = "generator/embed_tokens/embedding"
+    if not (t.freeze and re.search(t.freeze, embedding)):
+        raise ValueError(
+            f"{name} computes the states of the reader's embedding and lower layers once, so the "
+            f"embedding must stay frozen (a tied one is the LM head too: it then stays frozen), "
+            f"but config.train.freeze={t.freeze!r} leaves {embedding} trainable"
+        )
+
+
 def validate(config: ml_collections.ConfigDict, num_devices: int, *, paths: bool = True) -> None:
     """Start-up checks of invariants, each error naming the value and what would be right.
 
@@ -394,6 +445,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int, *, paths: bool
             f"config.eval.n_docs={config.eval.n_docs} but config.rag.closed_book retrieves "
             "nothing (one empty passage); use 0"
         )
+    _check_reader_trunk(config)  # before the objective's checks: they name other settings
     _check_retriever_objective(config)
     _check_answer_memo(config)
     if paths:

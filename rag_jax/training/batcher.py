@@ -47,6 +47,12 @@ def batch_shapes(config, rag_cfg: rag.RagConfig, batch_size: int, passage_cfg=No
         "context_attention_mask": ((batch_size, n, rag_cfg.max_combined_length), np.int32),
         "labels": ((batch_size, config.data.answer_length), np.int32),
     }
+    if config.train.reader_trunk:  # the reader's frozen layers' states, at fixed widths
+        width = rag_cfg.max_combined_length + config.data.answer_length  # S + T
+        hidden = rag_cfg.generator.hidden_size
+        shapes["reader_states"] = ((batch_size, n, width, hidden), np.float32)
+        shapes["reader_mask"] = ((batch_size, n, width), np.int32)
+        del shapes["context_input_ids"], shapes["context_attention_mask"]
     if config.retrieval.refresh_every:  # a trainable passage encoder re-encodes the passages
         p = config.retrieval.passage_max_length
         shapes["passage_input_ids"] = shapes["passage_attention_mask"] = (
@@ -247,6 +253,8 @@ class Batcher:
         """[len(train), K] passage rows: every training question's top K under the run's
         initial question encoder and index (`train.retriever_fixed_candidates`), searched once
         (the same on a resumed run: a function of the initial parameters alone)."""
+        if self._fixed is None and self.exp.reader_trunk is not None:  # searched at build
+            self._fixed = self.exp.reader_trunk.candidates
         if self._fixed is None:
             exp = self.exp
             found = [
@@ -396,16 +404,18 @@ class Batcher:
         c = self.exp.config
         self.prepare(step)
         examples, fields, pieces, labels = self._prepared[step]
-        width = distributed.max_over_processes(  # every process pads to the global batch's longest
-            label_width(
-                labels,
-                self.exp.rag_cfg.generator.pad_token_id,
-                c.data.answer_length,
-                c.data.answer_pad_multiple,
-                self.exp.rag_cfg.generator.eos_token_id if self.exp.rag_cfg.causal else None,
+        trunk = self.exp.reader_trunk  # its rows' labels are T wide: the batch's stay so
+        if trunk is None:  # every process pads to the global batch's longest
+            width = distributed.max_over_processes(
+                label_width(
+                    labels,
+                    self.exp.rag_cfg.generator.pad_token_id,
+                    c.data.answer_length,
+                    c.data.answer_pad_multiple,
+                    self.exp.rag_cfg.generator.eos_token_id if self.exp.rag_cfg.causal else None,
+                )
             )
-        )
-        labels = labels[:, :width]
+            labels = labels[:, :width]
         n_docs = self.exp.rag_cfg.n_docs
         if not isinstance(retriever, ClosedBook):  # K >= N candidates: the retriever's own loss
             retriever = retriever.with_n_docs(searched_count(c))
@@ -432,6 +442,8 @@ class Batcher:
                 arrays["answer_logprobs"] = self.memo.logprobs(
                     state.params["generator"], context_ids, context_mask, labels
                 )
+        elif trunk is not None:  # the reader's frozen layers' states replace its inputs
+            arrays.update(trunk.arrays(self._examples(step)[0], hits.doc_ids))
         else:
             arrays.update(
                 context_input_ids=context_ids.reshape(shape),

@@ -48,7 +48,8 @@ from rag_jax.retrieval.retriever import ClosedBook, Retriever
 from rag_jax.retrieval.store import PassageStore
 from rag_jax.run import articles, data, model_setup, settings, synthetic
 from rag_jax.run.index_build import load_index_dir, workdir_store
-from rag_jax.training import warm_start
+from rag_jax.training import reader_states, warm_start
+from rag_jax.training.reader_states import ReaderStates
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +70,9 @@ class Experiment:
     world: synthetic.World | None = None
     # `retrieval.passage_head_layers`: the passage tower's frozen layers' states of the store.
     passage_trunk: TrunkStates | None = None
+    # `train.reader_trunk`: the reader's frozen layers' states of every training question's
+    # fixed candidates (built with the retriever: `build(retriever=True)`).
+    reader_trunk: ReaderStates | None = None
 
     def passage_encoder(self, passage_params) -> retrieval.PassageEncoder:
         """This run's passage tower with `passage_params`, reading passages as the config says."""
@@ -272,8 +276,10 @@ def build(config: ml_collections.ConfigDict, workdir, *, retriever: bool = True)
     Args:
       config: a validated config (`rag_jax.run.settings`).
       workdir: where the store, the warm starts and the encoded corpus are kept.
-      retriever: also encode the corpus and index it with the (warm-started) passage encoder;
-        False leaves `retriever` None (a restore builds it from the checkpoint's encoder).
+      retriever: also encode the corpus and index it with the (warm-started) passage encoder,
+        and with `train.reader_trunk` search the fixed candidates and build the reader's trunk
+        states; False leaves `retriever` None (a restore builds it from the checkpoint's
+        encoder) and `reader_trunk` too.
     """
     if config.rag.closed_book and config.rag.n_docs != 1:
         raise ValueError(
@@ -312,4 +318,9 @@ def build(config: ml_collections.ConfigDict, workdir, *, retriever: bool = True)
             root, store, exp.passage_encoder(params["passage_encoder"]), first
         )
         exp = dataclasses.replace(exp, passage_trunk=trunk)
-    return exp.with_retriever(params["passage_encoder"]) if retriever else exp
+    if not retriever:  # a restore: its retriever is the checkpoint's (no reader trunk: it
+        return exp  # evaluates, and evaluation reads the tokens with the whole reader)
+    exp = exp.with_retriever(params["passage_encoder"])
+    if config.train.reader_trunk:  # the reader's frozen layers' states of the fixed rows, once
+        exp = dataclasses.replace(exp, reader_trunk=reader_states.build(exp))
+    return exp

@@ -313,6 +313,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir) -> dict:
     start = int(restored or 0)
     if restored is not None:
         print(f"resumed from checkpoint step {restored} in {ckpt.directory}", flush=True)
+        if exp.reader_trunk is not None:  # its cached states must be the restored reader's
+            exp.reader_trunk.check_restored(exp.rag_cfg.generator, state.params["generator"])
     retrievers = refresh.schedule(exp, workdir, start)  # which retriever serves each step
     logger = _Logger(workdir)
     eval_examples = exp.eval[: config.eval.max_examples or None]
@@ -351,7 +353,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir) -> dict:
         batch = batcher.train_batch(state, step, retrievers.at(step, state.params))
         inputs = (distributed.shard_batch(mesh, batch.arrays), batch.retrieval)
         # model_inputs.context_width and label_width
-        contexts = batch.arrays.get("context_input_ids")  # none with an answer memo
+        # none with an answer memo or the reader's cached states (`train.reader_trunk`)
+        contexts = batch.arrays.get("context_input_ids")
         states = batch.arrays.get("passage_states")  # [B, K, P, H], P as wide as they need
         width = (
             0 if contexts is None else contexts.shape[-1],
@@ -364,7 +367,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir) -> dict:
         with jax.transfer_guard("disallow"), kernels:
             if not compiled:  # ahead of the first call: the widest step's memory is checked
                 passages = config.retrieval.passage_max_length * (states is not None)
-                widest = (exp.rag_cfg.max_combined_length, config.data.answer_length, passages)
+                prompts = exp.rag_cfg.max_combined_length * (contexts is not None)
+                widest = (prompts, config.data.answer_length, passages)
                 compiled[widest] = step_fn.lower(state, *_with_width(inputs, *widest)).compile()
                 _check_memory(compiled[widest], state, exp, mesh)
             if width not in compiled:

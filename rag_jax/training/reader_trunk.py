@@ -192,6 +192,18 @@ class ReaderTrunk:
         in `cfg.dtype`) of exactly `rows` under `layout`, naming what differs."""
         self._check(identity(cfg, params, first, rows, layout))
 
+    def check_trunk(self, cfg: llama.LlamaConfig, params: dict) -> None:
+        """Raises unless `params`' trunk, computed in `cfg.dtype`, is the one these states are
+        of (the rows unread: `check` reads them too), e.g. a reader restored from a checkpoint.
+
+        Args:
+          cfg: the reader's config.
+          params: the reader's parameters, or only its trunk's (`trunk_of`).
+        """
+        first = self.first_layer
+        fingerprint = trunk_fingerprint(cfg, params, first)
+        self._check({"trunk_fingerprint": fingerprint, "compute_dtype": cfg.dtype})
+
     def _check(self, expected: dict) -> None:
         stale = sorted(k for k, v in expected.items() if self.manifest.get(k) != v)
         if stale:

@@ -115,6 +115,8 @@ _PER_DOC_TOKENS = (
     "passage_input_ids",
     "passage_attention_mask",
     "passage_states",  # [B, N, P, H]: the passage tower's frozen layers' output
+    "reader_states",  # [B, N, S + T, H]: the reader's frozen layers' output (reader_trunk)
+    "reader_mask",  # [B, N, S + T]
 )
 
 
@@ -175,7 +177,9 @@ def joint_loss_fn(
     constant; the step minimises their sum (each reaches only its own half).
 
     `passage_first_layer`: the layer a batch's "passage_states" enter the passage tower at
-    (`retrieval.passage_trunk`)."""
+    (`retrieval.passage_trunk`). A batch's "reader_states" / "reader_mask" [B, N, S + T(, H)]
+    (`train.reader_trunk`) replace its contexts: the causal reader's frozen layers' output,
+    which its layers from `frozen_layers` up read (`causal.reader_inputs`)."""
     labels = optim.path_labels if frozen else None
     objective = objective or RetrieverObjective()
     separate = objective.separate(rag_cfg.n_docs)
@@ -218,7 +222,8 @@ def _with_retriever_objective(rag_cfg, objective, variant, passage, params, batc
         k: jax.lax.stop_gradient(v) if k in _TOWERS else v for k, v in params.items()
     }
     first_docs = _flat(_first_docs(batch, n_docs))
-    reader_free = "answer_logprobs" not in batch and "context_input_ids" not in batch
+    reader_inputs = ("answer_logprobs", "context_input_ids", "reader_states")
+    reader_free = not any(name in batch for name in reader_inputs)
     if reader_free and objective.loss != "gold":
         raise ValueError(f"the {objective.loss!r} objective reads the reader: the batch has none")
     if reader_free:  # gold under a frozen generator: its loss would train nothing (`Batcher`)
@@ -269,9 +274,11 @@ def candidate_token_logprobs(rag_cfg: rag.RagConfig, params, batch) -> tuple[jax
 
     A frozen causal generator's come from its memo (`answer_logprobs`); otherwise the generator
     reads the K contexts once more, without gradient or dropout (its judgement of the
-    candidates, not a training pass). The scored positions are those of RAG-Sequence's
-    likelihood: a causal generator's answer and EOS (`causal.label_mask`); BART's shifted
-    targets that are not pad, less the BOS that `exclude_bos_score` leaves out.
+    candidates, not a training pass): from their tokens, or from its frozen layers' cached
+    states of them ("reader_states", `training.reader_trunk`), running only the layers above.
+    The scored positions are those of RAG-Sequence's likelihood: a causal generator's answer
+    and EOS (`causal.label_mask`); BART's shifted targets that are not pad, less the BOS that
+    `exclude_bos_score` leaves out.
     """
     labels = jnp.asarray(batch["labels"], jnp.int32)
     labels = jnp.where(labels == causal.IGNORE_INDEX, rag_cfg.pad_token_id, labels)
@@ -286,15 +293,16 @@ def candidate_token_logprobs(rag_cfg: rag.RagConfig, params, batch) -> tuple[jax
             scored = scored.at[:, 0].set(scored[:, 0] & (target[:, 0] != rag_cfg.bos_token_id))
     if "answer_logprobs" in batch:
         return jax.lax.stop_gradient(batch["answer_logprobs"]), scored
-    ids, mask = batch["context_input_ids"], batch["context_attention_mask"]  # [B, K, S]
-    seq_logits = rag.generator_logits(
-        rag_cfg,
-        jax.lax.stop_gradient(params),
-        ids.reshape(-1, ids.shape[-1]),
-        mask.reshape(-1, ids.shape[-1]),
-        labels,
-    )  # -> [B * K, T, V]
-    seq_logits = seq_logits.reshape(ids.shape[0], ids.shape[1], *seq_logits.shape[1:])
+    inputs, mask, first = causal.reader_inputs(rag_cfg, batch)  # [B, K, S] or [B, K, S + T, H]
+    flat_inputs = inputs.reshape(-1, *inputs.shape[2:])
+    flat_mask, constant = mask.reshape(-1, mask.shape[-1]), jax.lax.stop_gradient(params)
+    if first:  # the layers from F up, on the cached states of the ones below
+        seq_logits = causal.answer_logits_from_states(
+            rag_cfg, constant, flat_inputs, flat_mask, labels.shape[1], first
+        )  # -> [B * K, T, V]
+    else:
+        seq_logits = rag.generator_logits(rag_cfg, constant, flat_inputs, flat_mask, labels)
+    seq_logits = seq_logits.reshape(inputs.shape[0], inputs.shape[1], *seq_logits.shape[1:])
     token_lp, _ = rag_math.token_logprobs(seq_logits, target)  # -> [B, K, T]
     return jax.lax.stop_gradient(token_lp), scored
 
