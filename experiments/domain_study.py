@@ -10,8 +10,9 @@ another corpus: any `passages.jsonl` + `questions.jsonl` with SQuAD-style fields
 field, or a folder of .txt/.md documents as `data.corpus_path`) with the overrides of `ROWS`
 (`--set` ones win over a row's own), the same data, models, reader warm start (cached in
 `<out>/cache`, shared by every row and seed) and step budget. The reader is frozen in every
-row; what changes is where the candidates come from (`retrieval.source`: dense, bm25, hybrid)
-and what trains the question tower (`train.retriever_*`, `rag_jax/retriever_losses.py`):
+row but the reader rows' (`READER_ROWS`); what changes is where the candidates come from
+(`retrieval.source`: dense, bm25, hybrid) and what trains the question tower (`train.retriever_*`,
+`rag_jax/retriever_losses.py`):
   bm25, frozen, hybrid_frozen    nothing trains: BM25, the bolt-on MiniLM, the two fused;
   joint                          RAG's marginal over the top 4, searched every step (the paper);
   marginal_k16, pdist_k16        RAG's marginal / Atlas' and REPLUG's PDist over 16 candidates
@@ -25,6 +26,12 @@ and what trains the question tower (`train.retriever_*`, `rag_jax/retriever_loss
   ict(_hybrid)                   no labels, retriever only: the inverse cloze task on the corpus;
   *_shuffled                     control: the reader's likelihoods shuffled among candidates;
   *_cut                          control: the doc scores' gradient cut (nothing reaches a tower).
+The reader rows, over the hybrid rows' fixed candidates, its top 2 layers trained:
+  frozen_reader                  nothing trains (bolt-on: the SQuAD reader, the frozen towers);
+  pipeline(_retrained)           the reader fine-tuned apart on the training questions' gold
+                                 passages, behind the frozen (gold_towers_hybrid's) retriever;
+  joint_reader(_passages, _cut)  the reader and question tower (and passage head) by RAG's
+                                 marginal; _cut: the doc scores' gradient cut (the reader alone).
 Rows that train nothing run one step (one stands for any number).
 
 Writes `<out>/seed<k>/<row>/per_question.jsonl` (gold recall@1/5/20, F1 and EM per dev question),
@@ -77,6 +84,49 @@ PASSAGES = {
 SHUFFLED = {"train.retriever_shuffle_reader": True}  # the controls
 CUT = {"train.retriever_cut_gradient": True}
 
+# The reader trained too, against the pipeline that trains it apart: every row over the PDist
+# rows' fixed candidates, BM25's and the dense tower's fused (the hybrid rows are the study's
+# strongest), at the same step budget. The reader trains its top READER_LAYERS layers (and final
+# norm) of 30: each costs a forward and backward over B x K = 8 x 16 prompts of ~220 tokens a
+# step (with the frozen tied LM head's backward over the answers), so on 2 cores 2 layers are
+# what the 360 steps afford (~1 to 2 hours a row); 2 of 30 is the passage tower's share too (2
+# of 6 train in `PASSAGES`), and the same 2 layers train in the pipeline's reader.
+READER_LAYERS = 2
+READER_CANDIDATES = {**FIXED, **HYBRID}
+READER_TRUNK = "generator/(embed_tokens|layers_(" + "|".join(map(str, range(30 - READER_LAYERS)))
+READER_TRUNK += "))/"  # what stays frozen of the reader: its embedding (the tied head) and trunk
+TOP = {"model.generator_trained_layers": READER_LAYERS}
+# The pipeline: the SQuAD-warm-started reader's top layers fine-tuned on COVID-QA's training
+# questions with their gold passages (`warm_start.reader_domain_steps`: the run's own training
+# questions, so the train split only; two epochs of 1,417 at the reader warm start's batch of 4,
+# the questions the joint rows see), then frozen behind a frozen retriever.
+PIPELINE = {**NOTHING, **READER_CANDIDATES, **TOP, "warm_start.reader_domain_steps": 720}
+# Joint: the top layers train in the step on the trunk's cached states of the fixed candidates
+# (`train.reader_trunk`), with the question tower, by RAG-Sequence's marginal. The reader changes,
+# so no answer memo: training reads it, and its evaluation decodes with the trained reader (a
+# memo of a reader evaluated once would serve nothing).
+JOINT_READER = {
+    **READER_CANDIDATES,
+    **TOP,
+    "train.reader_trunk": True,
+    "train.answer_memo": False,
+    "eval.answer_memo": False,
+    "train.freeze": f"^(passage_encoder/|{READER_TRUNK})",
+}
+READER_ROWS = {
+    "frozen_reader": {**NOTHING, **READER_CANDIDATES},  # bolt-on: evaluated as hybrid_frozen
+    "pipeline": PIPELINE,
+    # behind the best trained retriever of the study (docs/results/covidqa): gold_towers_hybrid
+    "pipeline_retrained": {**PIPELINE, **GOLD_TOWERS},
+    "joint_reader": JOINT_READER,
+    "joint_reader_passages": {
+        **JOINT_READER,
+        **PASSAGES,
+        "train.freeze": f"^{READER_TRUNK}|" + passage_trunk.trunk_pattern(4),
+    },
+    "joint_reader_cut": {**JOINT_READER, **CUT},
+}
+
 ROWS = {
     "bm25": {**NOTHING, "retrieval.source": "bm25"},
     "frozen": NOTHING,
@@ -128,6 +178,7 @@ ROWS = {
         "retrieval.refresh_every": 50,
         "eval.answers": False,
     },
+    **READER_ROWS,
 }
 COLUMNS = ("gold_recall@1", "gold_recall@5", "gold_recall@20", "f1", "exact_match")
 BASELINES = ("frozen", "bm25", "hybrid_frozen")  # each row's paired differences are from these

@@ -239,6 +239,11 @@ SCHEMA: dict[str, dict[str, tuple]] = {
             "norm (the embedding and the layers below fixed, no gradient into them), whatever "
             "train.freeze fixes in joint training; 0 = what train.freeze leaves trainable",
         ),
+        "reader_domain_steps": (
+            0,
+            "then the top model.generator_trained_layers train on the run's own training questions "
+            "with their gold passages (a pipeline's reader, trained apart); 0 = none",
+        ),
     },
     "rag": {
         "variant": ("sequence", "sequence (RAG-Sequence) | token (RAG-Token)"),

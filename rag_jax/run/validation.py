@@ -445,6 +445,12 @@ def validate(config: ml_collections.ConfigDict, num_devices: int, *, paths: bool
             f"config.eval.n_docs={config.eval.n_docs} but config.rag.closed_book retrieves "
             "nothing (one empty passage); use 0"
         )
+    domain = config.warm_start.reader_domain_steps
+    if domain and not config.model.generator_trained_layers:
+        raise ValueError(
+            f"config.warm_start.reader_domain_steps={domain} fine-tunes the reader's top layers: "
+            "set config.model.generator_trained_layers=k (the top k train, the rest stay fixed)"
+        )
     _check_reader_trunk(config)  # before the objective's checks: they name other settings
     _check_retriever_objective(config)
     _check_answer_memo(config)

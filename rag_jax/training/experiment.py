@@ -307,6 +307,8 @@ def build(config: ml_collections.ConfigDict, workdir, *, retriever: bool = True)
         params = warm_start.retriever(config, rag_cfg, p_cfg, params, q_tok, store, workdir, train)
     if config.warm_start.reader_steps:
         params = warm_start.generator(config, rag_cfg, params, g_tok, workdir, world)
+    if config.warm_start.reader_domain_steps:  # then on the run's own training questions
+        params = warm_start.domain_reader(config, rag_cfg, params, g_tok, store, workdir, train)
     exp = Experiment(
         config, rag_cfg, p_cfg, params, q_tok, g_tok, train, evals, store, None, workdir, world
     )

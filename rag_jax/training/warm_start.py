@@ -2,8 +2,10 @@
 
 - `retriever(...)`: both retriever towers after the inverse cloze task (`training.ict`) on the
   run's own passages, no QA pairs (`config.warm_start.method = "ict"`);
-- `generator(...)`: the generator after reading on *another* synthetic world
-  (`training.reader`, `config.warm_start.reader_steps`).
+- `generator(...)`: the generator after reading on *another* synthetic world, or on files
+  (`training.reader`, `config.warm_start.reader_steps`);
+- `domain_reader(...)`: then its top layers fine-tuned on the run's own training questions with
+  their gold passages (`config.warm_start.reader_domain_steps`): a reader trained apart.
 
 A warm start is a deterministic function of what its key lists (seed, data, initial parameters,
 settings), so it is stored in `<warm_start.cache_dir or workdir>/warm_start/<fingerprint>.msgpack`
@@ -168,14 +170,14 @@ def generator(config, rag_cfg, params, tokenizer, workdir, own_world) -> dict:
         if e.gold_ids[0] in kept
     ]
     key = {
-        "reader": {k: v for k, v in w.items() if k.startswith("reader_")},
+        "reader": {k: v for k, v in w.items() if _reads_first(k)},
         "world": dataclasses.asdict(world.config),
         "train": {k: config.train[k] for k in ("batch_size", "learning_rate")},
         "answer_length": d.answer_length,
         "examples": hashlib.sha256(" ".join(e.id for e in examples).encode()).hexdigest(),
         "rag": [rag_cfg.max_combined_length, rag_cfg.label_smoothing, rag_cfg.exclude_bos_score],
         "tokenizer": tokenizer_fingerprint(tokenizer),
-        "generator": encoder_id.encoder_fingerprint(rag_cfg.generator, params["generator"]),
+        "generator": _generator_fingerprint(rag_cfg.generator, params["generator"]),
         **_dropout_key(config, rag_cfg),
     }
 
@@ -209,6 +211,23 @@ def generator(config, rag_cfg, params, tokenizer, workdir, own_world) -> dict:
     return dict(params, **warm)
 
 
+def _reads_first(setting: str) -> bool:
+    """Whether a `warm_start` setting shapes the first reader warm start (`generator`), so its
+    key: the `reader_*` ones but `reader_domain_steps`, the later warm start's own (a pipeline
+    row shares the first one's cache with the rows that skip the second)."""
+    return setting.startswith("reader_") and setting != "reader_domain_steps"
+
+
+def _generator_fingerprint(g_cfg, generator_params) -> str:
+    """The generator's fingerprint in a warm start's key: the function it computes, not where
+    training cuts its gradient (a causal generator's `frozen_layers`, which
+    `model.generator_trained_layers` sets), so rows training its top layers share the warm start
+    of those that freeze it (the keys of `frozen_layers = 0` are those from before)."""
+    if getattr(g_cfg, "frozen_layers", 0):
+        g_cfg = g_cfg.replace(frozen_layers=0)
+    return encoder_id.encoder_fingerprint(g_cfg, generator_params)
+
+
 def _dropout_key(config, rag_cfg) -> dict:
     """The reader's dropout, for its cache key: nothing when it trains without (so the keys of
     runs without dropout are those from before dropout could be asked for)."""
@@ -231,20 +250,21 @@ def _frozen_generator_paths(freeze: str, generator_params) -> str:
     return "|".join(f"{re.escape(p)}$" for p in frozen)
 
 
-def _reader_trained_layers(config, rag_cfg, generator_params):
+def _reader_trained_layers(config, rag_cfg, generator_params, setting="reader_trained_layers"):
     """(the reader's RagConfig, a regex over the generator's paths it leaves fixed).
 
-    `warm_start.reader_trained_layers = k` trains a causal generator's top k layers and its
-    final norm: the embedding (the tied head too) and the layers below are fixed and no gradient
-    flows into them (`LlamaConfig.frozen_layers`). 0 leaves fixed what `train.freeze` freezes in
-    joint training."""
-    k = config.warm_start.reader_trained_layers
+    `warm_start.reader_trained_layers = k` (or the `model.` `setting` named) trains a causal
+    generator's top k layers and its final norm: the embedding (the tied head too) and the layers
+    below are fixed and no gradient flows into them (`LlamaConfig.frozen_layers`). 0 leaves fixed
+    what `train.freeze` freezes in joint training."""
+    section = "model" if setting == "generator_trained_layers" else "warm_start"
+    k = config[section][setting]
     if not k:
         return rag_cfg, _frozen_generator_paths(config.train.freeze, generator_params)
     layers = getattr(rag_cfg.generator, "num_hidden_layers", None)
     if layers is None or not 0 < k <= layers:
         raise ValueError(
-            f"config.warm_start.reader_trained_layers={k} needs a causal generator with at least "
+            f"config.{section}.{setting}={k} needs a causal generator with at least "
             f"that many layers (its generator has {layers or 'none: BART'})"
         )
     below = "|".join(str(i) for i in range(layers - k))
@@ -290,7 +310,7 @@ def _generator_on_files(config, rag_cfg, params, tokenizer, workdir) -> dict:
     reader_settings = {
         k: v
         for k, v in w.items()
-        if k.startswith("reader_")
+        if _reads_first(k)
         and "path" not in k
         # 0 (what train.freeze leaves) keeps the keys of caches from before the setting
         and not (k == "reader_trained_layers" and not v)
@@ -311,7 +331,7 @@ def _generator_on_files(config, rag_cfg, params, tokenizer, workdir) -> dict:
         "layout": [rag_cfg.title_sep, rag_cfg.doc_sep]
         + ([rag_cfg.suffix] if rag_cfg.suffix else []),
         "tokenizer": tokenizer_fingerprint(tokenizer),
-        "generator": encoder_id.encoder_fingerprint(rag_cfg.generator, params["generator"]),
+        "generator": _generator_fingerprint(rag_cfg.generator, params["generator"]),
         # Examples whose answer the context cuts off are left out (`reader.answers_in_context`).
         "answers": "within the kept context",
         **_dropout_key(config, rag_cfg),
@@ -360,4 +380,82 @@ def _generator_on_files(config, rag_cfg, params, tokenizer, workdir) -> dict:
 
     template = {"generator": params["generator"]}
     warm = cached("reader warm start", key, template, compute, cache_dir(config, workdir))
+    return dict(params, **warm)
+
+
+def domain_reader(config, rag_cfg, params, tokenizer, store, workdir, train) -> dict:
+    """`params` with the reader's top `model.generator_trained_layers` layers (and final norm)
+    fine-tuned on the run's own training questions `train` with their gold passages of the run's
+    `store` (`warm_start.reader_domain_steps`), starting from the generator `params` holds (after
+    `generator`'s warm start, if any): the reader a pipeline trains apart from the retriever.
+
+    `train` is what the run trains on (`data.train_split` of a split file, less the articles
+    `data.eval_fraction` holds out), so no evaluation question is read. Examples whose answer
+    the context cuts off are left out. Cached by fingerprint, keyed on the generator it starts
+    from (so on the earlier warm start too)."""
+    d, w = config.data, config.warm_start
+    rows = {store.ids[i] for i in range(len(store))}
+    pool = [e for e in train if e.gold_ids and e.gold_ids[0] in rows]
+    if not pool:
+        raise ValueError(
+            "config.warm_start.reader_domain_steps: no training question has a gold passage"
+        )
+    context_length = w.reader_context_length or rag_cfg.max_combined_length
+    seed = settings.init_seed(config)
+    batch_size = w.reader_batch_size or config.train.batch_size
+    learning_rate = w.reader_learning_rate or config.train.learning_rate
+    reader_cfg, frozen = _reader_trained_layers(
+        config, rag_cfg, params["generator"], "generator_trained_layers"
+    )
+    questions = [(e.id, e.question, e.answers[0], e.gold_ids[0]) for e in pool]
+    key = {
+        "domain_reader": {"steps": w.reader_domain_steps, "frozen": frozen},
+        "questions": hashlib.sha256(json.dumps(questions).encode()).hexdigest(),
+        "corpus": store.checksum,
+        "seed": seed,
+        "batch_size": batch_size,
+        "learning_rate": learning_rate,
+        "answer_length": d.answer_length,
+        "context_length": context_length,
+        "keep_question": config.rag.keep_question,
+        "rag": [rag_cfg.label_smoothing, rag_cfg.exclude_bos_score, rag_cfg.context_layout],
+        "tokenizer": tokenizer_fingerprint(tokenizer),
+        "generator": _generator_fingerprint(rag_cfg.generator, params["generator"]),
+        **_dropout_key(config, rag_cfg),
+    }
+
+    def compute(progress):
+        shown = reader.answers_in_context(
+            store, tokenizer, pool, context_length, config.rag.keep_question
+        )
+        kept = [e for e, ok in zip(pool, shown) if ok]
+        weights, log = reader.reader_warm_start(
+            reader_cfg,
+            params["generator"],
+            tokenizer,
+            store,
+            kept,
+            steps=w.reader_domain_steps,
+            batch_size=batch_size,
+            learning_rate=learning_rate,
+            seed=seed,
+            answer_length=d.answer_length,
+            context_length=context_length,
+            freeze=frozen,
+            pad_multiple=config.rag.context_pad_multiple,
+            keep_question=config.rag.keep_question,
+            deterministic=config.model.deterministic,
+            progress=progress,
+        )
+        print(
+            f"domain reader: {w.reader_domain_steps} steps on {len(kept)} training questions "
+            f"({len(pool) - len(kept)} left out: the context cuts their answer off), loss "
+            f"{log[0]['loss']:.3f} -> {log[-1]['loss']:.3f}",
+            flush=True,
+        )
+        record = {"questions": [e.id for e in kept], "answer_cut": len(pool) - len(kept)}
+        return {"generator": weights}, {**record, "log": log}
+
+    template = {"generator": params["generator"]}
+    warm = cached("domain reader", key, template, compute, cache_dir(config, workdir))
     return dict(params, **warm)

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 
 import domain_study
-from rag_jax.io import hf, hf_llama
+from rag_jax.io import bundle, hf, hf_llama
 from rag_jax.retrieval import documents
 from rag_jax.run import paired, settings, validation
-from rag_jax.training import experiment, memo
+from rag_jax.training import experiment, memo, reader
 
 
 def test_every_row_is_a_valid_config_differing_only_in_its_overrides():
@@ -30,6 +30,17 @@ def test_every_row_is_a_valid_config_differing_only_in_its_overrides():
         }
         assert changed <= set(overrides), (name, changed - set(overrides))
     assert set(domain_study.BASELINES) <= set(domain_study.ROWS)
+    # The reader rows: what trains the reader is checked (a domain fine-tune needs its layers;
+    # the trunk its frozen embedding and no answer memo).
+    assert set(domain_study.READER_ROWS) <= set(domain_study.ROWS)
+    for key, value, message in (
+        ("model.generator_trained_layers", 0, "reader_domain_steps=720 fine-tunes"),
+        ("train.answer_memo", True, "answer_memo holds a frozen"),
+    ):
+        row = "pipeline" if key.startswith("model") else "joint_reader"
+        wrong = settings.override(base.copy_and_resolve_references(), domain_study.ROWS[row])
+        with pytest.raises(ValueError, match=message):
+            validation.validate(settings.override(wrong, {key: value}), 1, paths=False)
 
 
 def test_the_covidqa_config_reads_its_splits(shared_data):
@@ -206,3 +217,70 @@ def test_the_whole_study_at_toy_size(shared_data, tmp_path, monkeypatch):
         )
     )
     assert {name for name in layers if moved(name)} == {"layer_4", "layer_5"}
+
+
+@pytest.mark.slow  # ~4 min on 2 cores: SmolLM2's trunk states of 32 rows, 2 steps, 3 evaluations
+def test_the_reader_rows_at_toy_size(shared_data, tmp_path, monkeypatch):
+    """Two COVID-QA articles as documents, 8 training questions, 4 fixed candidates each: the
+    bolt-on reader, the pipeline (its reader fine-tuned apart on the train split's questions
+    only) and the joint reader (its top layers on cached trunk states, with the question tower)
+    each write per-question records; the joint row moved the reader's top layers and the question
+    tower, and nothing else of the reader."""
+    if not (shared_data / "covidqa").is_dir():
+        pytest.skip(reason=f"COVID-QA not found in {shared_data}")
+    try:
+        hf_llama.smollm2_path()
+    except FileNotFoundError as e:
+        pytest.skip(reason=str(e))
+    docs, questions = _toy_domain(shared_data, tmp_path)
+    split = {q["id"]: q["split"] for q in map(json.loads, questions.read_text().splitlines())}
+    read = []  # the questions every reader warm start trains on
+    warm_start = reader.reader_warm_start
+    monkeypatch.setattr(
+        reader,
+        "reader_warm_start",
+        lambda *args, **kwargs: read.extend(e.id for e in args[4]) or warm_start(*args, **kwargs),
+    )
+    out = tmp_path / "study"
+    sets = {
+        "data.corpus_path": str(docs),
+        "data.train_path": str(questions),
+        "data.eval_path": str(questions),
+        "data.max_train": 8,
+        "warm_start.reader_steps": 0,  # SmolLM2 as it is, then (pipeline) 2 steps on the domain
+        "train.retriever_candidates": 4,
+        "train.steps": 2,
+        "train.warmup_steps": 1,
+        "train.save_every": 1000,
+        "eval.every": 0,
+        "retrieval.fusion_depth": 20,
+        "train.num_devices": 1,
+    }
+    pipeline = {**domain_study.ROWS["pipeline"], "warm_start.reader_domain_steps": 2}
+    monkeypatch.setitem(domain_study.ROWS, "pipeline", pipeline)
+    rows = ["frozen_reader", "pipeline", "joint_reader"]
+    argv = ["--out", str(out), "--seeds", "0", "--rows", ",".join(rows)]
+    domain_study.main(argv + [f"--set={k}={json.dumps(v)}" for k, v in sets.items()])
+    for row in rows:
+        records = paired.read_per_question(out / "seed0" / row / "per_question.jsonl")
+        assert records and {split[q] for q in records} == {"dev"}
+        assert all({"gold_recall@5", "f1"} <= set(r) for r in records.values())
+    assert read and {split[q] for q in read} == {"train"}  # the pipeline's reader: no dev
+    assert len(set(read)) <= 8  # what the run trains on (data.max_train), not the whole file
+
+    def params(row):
+        return bundle.load(out / "seed0" / row / "bundle", verify=False).params
+
+    before, after = params("frozen_reader"), params("joint_reader")  # the first trains nothing
+    flat = lambda tree: {  # noqa: E731
+        jax.tree_util.keystr(path): np.asarray(leaf)
+        for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]
+    }
+    moved = set()
+    for tower in ("question_encoder", "generator", "passage_encoder"):
+        a, b = flat(before[tower]), flat(after[tower])
+        moved |= {f"{tower}{k}" for k in a if not np.array_equal(a[k], b[k])}
+    generator = {k.split("'")[1] for k in moved if k.startswith("generator")}
+    assert generator == {"layers_28", "layers_29", "norm"}, sorted(generator)
+    assert any(k.startswith("question_encoder") for k in moved)
+    assert not any(k.startswith("passage_encoder") for k in moved)
